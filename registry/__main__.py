@@ -1,0 +1,45 @@
+"""``python -m registry``: the model registry and worker directory."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from canteen.config import parse_config
+from canteen.logging import configure_logging
+from canteen.server import ServiceRuntime
+from canteen.v1 import registry_pb2, registry_pb2_grpc
+from registry.config import RegistryConfig
+from registry.core import Registry
+from registry.directory import WorkerDirectory
+from registry.server import RegistryServicer
+from registry.store import ModelStore
+
+SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+
+
+async def serve(config: RegistryConfig) -> None:
+    registry = Registry(ModelStore(config.db), WorkerDirectory(config.lease_ttl),
+                        config.default_model)
+    if config.register_default:
+        await registry.register_default_model()
+    runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
+    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), runtime.server)
+    await runtime.start([SERVICE_NAME])
+    expiry = asyncio.create_task(registry.directory.expire_forever())
+    await runtime.set_ready(True)
+    await runtime.wait()
+    expiry.cancel()
+    registry.store.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(RegistryConfig, argv, prog="python -m registry",
+                          description="Canteen model registry")
+    configure_logging("registry")
+    asyncio.run(serve(config))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

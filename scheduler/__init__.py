@@ -1,0 +1,1 @@
+"""The scheduler: continuous batching and KV-block accounting across workers (no torch)."""

@@ -1,0 +1,226 @@
+"""Continuous batching for one worker: ``schedule()`` builds a step plan, ``update()`` applies
+the worker's result.
+
+Each step, under a token budget and a cap on running sequences:
+
+    1. decode: every running sequence with one token to compute gets it
+    2. prefill chunks of running sequences that are still reading their prompt
+    3. admission: waiting sequences (highest priority first, then oldest) while their
+       next chunk's blocks plus a watermark are free
+
+When a running sequence needs a block and none is free, the lowest-priority, most recently
+admitted sequence not yet in this step is preempted by recompute: its blocks are freed and it
+waits at the front of the queue with its generated tokens kept, so its stream resumes exactly.
+Sequences join and leave the batch between any two steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
+from scheduler.blocks import BlockPool
+from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Budgets of one worker's steps."""
+
+    max_batched_tokens: int = 2048
+    """Most tokens (decode plus prefill) computed in one step."""
+    max_num_seqs: int = 256
+    """Most sequences in the running batch."""
+    watermark_blocks: int = 1
+    """Free blocks kept back at admission so running sequences can grow."""
+
+    def __post_init__(self) -> None:
+        if self.max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens={self.max_batched_tokens}: must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.watermark_blocks < 0:
+            raise ValueError(f"watermark_blocks={self.watermark_blocks}: must be >= 0")
+
+
+class BatchScheduler:
+    def __init__(self, pool: BlockPool, limits: BatchLimits) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._pending_drops: list[str] = []
+        self._in_flight: StepPlan | None = None
+        self._admit_counter = 0
+
+    # -- requests in and out -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stops a sequence; its blocks are free before the next plan is built."""
+        if seq.is_finished:
+            return
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+            self._finish(seq, Finish.CANCELLED)
+        elif self._in_flight is not None:
+            seq.is_cancel_requested = True  # freed when the step using its blocks returns
+        else:
+            self._finish(seq, Finish.CANCELLED)
+
+    def fail_all(self, error: str) -> list[Sequence]:
+        """Ends every sequence (the worker is gone); returns them."""
+        failed = [*self.running, *self.waiting]
+        for seq in failed:
+            seq.error = error
+            self._finish(seq, Finish.FAILED)
+        self.waiting.clear()
+        self._pending_drops.clear()
+        self._in_flight = None
+        return failed
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._pending_drops)
+
+    # -- the two verbs -------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when there is nothing to send."""
+        budget = self.limits.max_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        in_plan: set[int] = set()
+        by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
+        for seq in [s for s in by_importance if s.is_decoding] + [
+            s for s in by_importance if not s.is_decoding
+        ]:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted while making room for another
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + n, in_plan):
+                continue
+            chosen.append((seq, n))
+            in_plan.add(id(seq))
+            budget -= n
+        budget = self._admit(budget, chosen)
+        drops, self._pending_drops = tuple(self._pending_drops), []
+        if not chosen and not drops:
+            return None
+        self.num_steps += 1
+        plan = self._to_plan(self.num_steps, chosen, drops)
+        self._in_flight = plan
+        return plan
+
+    def update(self, result: StepResult) -> list[SeqEvent]:
+        """Applies a step's sampled tokens; returns what happened to each sequence."""
+        plan, self._in_flight = self._in_flight, None
+        if plan is None or plan.step_id != result.step_id:
+            raise ValueError(f"result for step {result.step_id} does not match the plan")
+        by_id = {s.request_id: s for s in self.running}
+        for item in plan.scheduled:
+            seq = by_id.get(item.seq_id)
+            if seq is not None:
+                seq.num_computed += item.num_tokens
+        events = [self._on_token(by_id[t.seq_id], t) for t in result.tokens if t.seq_id in by_id]
+        for seq in [s for s in self.running if s.is_cancel_requested]:
+            self._finish(seq, Finish.CANCELLED)
+            events.append(SeqEvent(seq, (), (), Finish.CANCELLED))
+        return events
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _on_token(self, seq: Sequence, token: SampledToken) -> SeqEvent:
+        if seq.is_cancel_requested:
+            return SeqEvent(seq, (), ())
+        if token.token_id in seq.stop_token_ids:
+            self._finish(seq, Finish.STOP)
+            return SeqEvent(seq, (), (), Finish.STOP)
+        seq.output_ids.append(token.token_id)
+        finish = None
+        if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= seq.max_model_len:
+            finish = Finish.LENGTH
+            self._finish(seq, finish)
+        return SeqEvent(seq, (token.token_id,), (token.logprob,), finish)
+
+    def _admit(self, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = max(self.waiting, key=lambda s: (s.priority, s.num_preemptions > 0,
+                                                    -s.arrival_time))
+            n = min(seq.num_uncomputed, budget)
+            need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_ids)
+            if self.pool.num_free < need + self.limits.watermark_blocks:
+                break
+            blocks = self.pool.allocate(need)
+            assert blocks is not None
+            self.waiting.remove(seq)
+            seq.block_ids.extend(blocks)
+            seq.status = Status.RUNNING
+            self._admit_counter += 1
+            seq.admit_order = self._admit_counter
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            chosen.append((seq, n))
+            budget -= n
+        return budget
+
+    def _grow(self, seq: Sequence, num_tokens: int, in_plan: set[int]) -> bool:
+        """Gives ``seq`` blocks for ``num_tokens``, preempting others; False if it was preempted."""
+        need = self.pool.blocks_for(num_tokens) - len(seq.block_ids)
+        while need > 0:
+            blocks = self.pool.allocate(need)
+            if blocks is not None:
+                seq.block_ids.extend(blocks)
+                return True
+            candidates = [s for s in self.running if id(s) not in in_plan]
+            victim = min(candidates, key=lambda s: (s.priority, -s.admit_order))
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.block_ids)
+        if seq.is_on_worker:
+            self._pending_drops.append(seq.request_id)
+        seq.block_ids, seq.num_computed, seq.num_sent_blocks = [], 0, 0
+        seq.is_on_worker = False
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.insert(0, seq)
+
+    def _finish(self, seq: Sequence, finish: Finish) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+            seq.block_ids = []
+        if seq.is_on_worker:
+            self._pending_drops.append(seq.request_id)
+            seq.is_on_worker = False
+        seq.status, seq.finish = Status.FINISHED, finish
+
+    def _to_plan(self, step_id: int, chosen: list[tuple[Sequence, int]],
+                 drops: tuple[str, ...]) -> StepPlan:
+        new: list[NewSequence] = []
+        scheduled: list[ScheduledSequence] = []
+        for seq, n in chosen:
+            if seq.is_on_worker:
+                fresh = tuple(seq.block_ids[seq.num_sent_blocks:])
+            else:
+                new.append(NewSequence(seq.request_id, tuple(seq.tokens), seq.sampling,
+                                       tuple(seq.block_ids), seq.num_computed))
+                seq.is_on_worker, fresh = True, ()
+            seq.num_sent_blocks = len(seq.block_ids)
+            scheduled.append(ScheduledSequence(seq.request_id, n, fresh))
+        return StepPlan(step_id, tuple(new), tuple(scheduled), drops)

@@ -1,0 +1,25 @@
+"""Scheduler configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canteen.config import option, require
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Flags and CANTEEN_* variables of ``python -m scheduler``."""
+
+    host: str = option("127.0.0.1", "interface to bind")
+    port: int = option(50052, "gRPC port")
+    registry: str = option("127.0.0.1:50053", "registry address")
+    max_queue: int = option(1024, "most requests waiting across workers; more get RESOURCE_EXHAUSTED")
+    max_num_seqs: int = option(256, "most sequences in one worker's running batch")
+    grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(self.max_queue >= 1, "max_queue", self.max_queue, "must be >= 1")
+        require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        require(self.grace >= 0, "grace", self.grace, "must be >= 0")

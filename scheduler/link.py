@@ -1,0 +1,128 @@
+"""One worker as the scheduler drives it: a task that owns its batch and its Run stream.
+
+RPC handlers only ``submit`` and ``cancel``; the link's task is the single owner of the
+batch state and runs the step loop: schedule, send the plan, await the result, update,
+deliver events to each request's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+
+from canteen.logging import get_logger
+from canteen.v1 import worker_pb2, worker_pb2_grpc
+from scheduler.batcher import BatchLimits, BatchScheduler
+from scheduler.blocks import BlockPool
+from scheduler.sequence import Finish, SeqEvent, Sequence
+from scheduler.wire import plan_to_pb, result_from_pb
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerDescription:
+    worker_id: str
+    address: str
+    model: str
+    version: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    max_batched_tokens: int
+
+
+def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
+    return WorkerDescription(
+        worker_id=info.worker_id, address=address, model=info.model, version=info.version,
+        num_blocks=info.num_blocks, block_size=info.block_size,
+        max_model_len=info.max_model_len, eos_token_ids=frozenset(info.eos_token_ids),
+        max_batched_tokens=info.max_batched_tokens,
+    )
+
+
+class WorkerLink:
+    def __init__(self, desc: WorkerDescription, channel: grpc.aio.Channel,
+                 max_num_seqs: int) -> None:
+        self.desc = desc
+        self._channel = channel
+        self._stub = worker_pb2_grpc.WorkerStub(channel)
+        limits = BatchLimits(max_batched_tokens=desc.max_batched_tokens,
+                             max_num_seqs=max_num_seqs)
+        self.core = BatchScheduler(BlockPool(desc.num_blocks, desc.block_size), limits)
+        self._queues: dict[str, asyncio.Queue[SeqEvent]] = {}
+        self._wake = asyncio.Event()
+        self.is_up = True
+        self.is_draining = False
+        self.closed = asyncio.Event()
+
+    @property
+    def is_ready(self) -> bool:
+        return self.is_up and not self.is_draining
+
+    def submit(self, seq: Sequence) -> asyncio.Queue[SeqEvent]:
+        queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self._queues[seq.request_id] = queue
+        self.core.add(seq)
+        self._wake.set()
+        return queue
+
+    def cancel(self, seq: Sequence) -> None:
+        self.core.cancel(seq)
+        self._queues.pop(seq.request_id, None)
+        self._wake.set()
+
+    def drain(self) -> None:
+        """Admits nothing new; closes the stream once running work is done."""
+        self.is_draining = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        call = self._stub.Run()
+        try:
+            await self._loop(call)
+        except grpc.aio.AioRpcError as exc:
+            self._fail(f"worker {self.desc.worker_id} at {self.desc.address} failed: "
+                       f"{exc.code().name} {exc.details()}")
+        except Exception as exc:
+            log.exception("worker link crashed", worker_id=self.desc.worker_id)
+            self._fail(f"worker {self.desc.worker_id} link failed: {exc}")
+        finally:
+            self.is_up = False
+            call.cancel()
+            await self._channel.close()
+            self.closed.set()
+
+    async def _loop(self, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            if self.is_draining and not self.core.running and not self.core.waiting:
+                log.info("worker drained", worker_id=self.desc.worker_id)
+                await call.done_writing()
+                return
+            plan = self.core.schedule()
+            if plan is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await call.write(plan_to_pb(plan))
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                           grpc.aio.Metadata(), "worker closed its stream")
+            for event in self.core.update(result_from_pb(msg)):
+                queue = self._queues.get(event.seq.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+                    if event.finish is not None:
+                        del self._queues[event.seq.request_id]
+            await asyncio.sleep(0)  # let handlers submit and cancel between steps
+
+    def _fail(self, error: str) -> None:
+        log.error("worker lost", worker_id=self.desc.worker_id, error=error)
+        for seq in self.core.fail_all(error):
+            queue = self._queues.pop(seq.request_id, None)
+            if queue is not None:
+                queue.put_nowait(SeqEvent(seq, (), (), Finish.FAILED))

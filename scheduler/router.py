@@ -1,0 +1,111 @@
+"""The workers the scheduler knows, learned from the registry's watch stream, and routing.
+
+A worker that appears in the directory is dialled, described (GetInfo) and given a link; one
+that leaves is drained. A request goes to the ready worker of its model with the most free
+blocks left after the demand already waiting on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from canteen.logging import get_logger
+from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler.link import WorkerLink, describe
+
+log = get_logger(__name__)
+
+
+class WorkerPool:
+    def __init__(self, registry_address: str, max_num_seqs: int,
+                 on_ready_change: Callable[[bool], Awaitable[None]]) -> None:
+        self._registry_address = registry_address
+        self._max_num_seqs = max_num_seqs
+        self._on_ready_change = on_ready_change
+        self.links: dict[str, WorkerLink] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._connecting: set[str] = set()
+        self._was_ready = False
+
+    def pick(self, model: str, version: str) -> WorkerLink | None:
+        candidates = [
+            link for link in self.links.values()
+            if link.is_ready and link.desc.model == model
+            and (not version or link.desc.version == version)
+        ]
+        if not candidates:
+            return None
+        return max(candidates, key=_headroom)
+
+    def has_model(self, model: str) -> bool:
+        return any(link.desc.model == model for link in self.links.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(link.core.waiting) for link in self.links.values())
+
+    async def watch_forever(self) -> None:
+        """Follows the registry's worker directory, reconnecting with backoff."""
+        delay = 0.2
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self._registry_address) as channel:
+                    stub = registry_pb2_grpc.RegistryStub(channel)
+                    async for snapshot in stub.WatchWorkers(registry_pb2.WatchWorkersRequest()):
+                        delay = 0.2
+                        self._apply(snapshot)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("registry watch broken", code=exc.code().name, retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    def _apply(self, snapshot: registry_pb2.WorkerList) -> None:
+        live = {w.worker_id: w for w in snapshot.workers}
+        for worker_id, link in self.links.items():
+            if worker_id not in live and not link.is_draining:
+                log.info("worker left the directory", worker_id=worker_id)
+                link.drain()
+        for worker_id, entry in live.items():
+            if worker_id not in self.links and worker_id not in self._connecting:
+                self._spawn(self._connect(entry))
+
+    async def _connect(self, entry: registry_pb2.WorkerEntry) -> None:
+        self._connecting.add(entry.worker_id)
+        channel = grpc.aio.insecure_channel(entry.address)
+        try:
+            info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(
+                worker_pb2.GetInfoRequest(), timeout=10, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("worker unreachable", worker_id=entry.worker_id, code=exc.code().name)
+            await channel.close()
+            return
+        finally:
+            self._connecting.discard(entry.worker_id)
+        link = WorkerLink(describe(info, entry.address), channel, self._max_num_seqs)
+        self.links[entry.worker_id] = link
+        log.info("worker connected", worker_id=entry.worker_id, address=entry.address,
+                 model=info.model, version=info.version, num_blocks=info.num_blocks)
+        await self._readiness_changed()
+        await link.run()
+        self.links.pop(entry.worker_id, None)
+        await self._readiness_changed()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _readiness_changed(self) -> None:
+        is_ready = any(link.is_ready for link in self.links.values())
+        if is_ready != self._was_ready:
+            self._was_ready = is_ready
+            await self._on_ready_change(is_ready)
+
+
+def _headroom(link: WorkerLink) -> int:
+    core = link.core
+    waiting_demand = sum(core.pool.blocks_for(s.num_tokens) for s in core.waiting)
+    return core.pool.num_free - waiting_demand

@@ -1,0 +1,79 @@
+"""One request as the scheduler tracks it: tokens, blocks, progress, and how it ended."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from canteen.plan import Sampling
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Finish(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    max_model_len: int = 1 << 30
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish: Finish | None = None
+    error: str = ""
+    # Worker-side state of the current Run stream.
+    is_on_worker: bool = False
+    num_sent_blocks: int = 0
+    is_cancel_requested: bool = False
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    admit_order: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        """All tokens but the last sampled one are in the KV cache."""
+        return bool(self.output_ids) and self.num_uncomputed == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass(frozen=True)
+class SeqEvent:
+    """What a step did to one sequence: new tokens, and its end when it ended."""
+
+    seq: Sequence
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish: Finish | None = None

@@ -1,0 +1,117 @@
+"""The scheduler's request path: validate, route, run, and always release."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from canteen.logging import get_logger
+from canteen.plan import Sampling
+from scheduler.router import WorkerPool
+from scheduler.sequence import Finish, SeqEvent, Sequence
+
+log = get_logger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    pass
+
+
+class NoWorkerError(Exception):
+    pass
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class WorkerFailedError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    request_id: str
+    model: str
+    version: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    priority: int
+
+
+class SchedulerService:
+    def __init__(self, pool: WorkerPool, max_queue: int) -> None:
+        self.pool = pool
+        self.max_queue = max_queue
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[SeqEvent]:
+        """Yields the sequence's events until it finishes; cancels it if the caller leaves."""
+        _validate_shape(params)
+        link = self.pool.pick(params.model, params.version)
+        if link is None:
+            wanted = f"{params.model}:{params.version}" if params.version else params.model
+            raise NoWorkerError(f"no ready worker serves model {wanted!r}")
+        desc = link.desc
+        total = len(params.prompt_ids) + params.max_tokens
+        if total > desc.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(params.prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                f"= {total} exceeds the model's context of {desc.max_model_len} tokens"
+            )
+        if link.core.pool.blocks_for(total) > desc.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens needs "
+                f"{link.core.pool.blocks_for(total)} KV blocks; the worker has {desc.num_blocks}"
+            )
+        if self.pool.num_waiting >= self.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= desc.eos_token_ids
+        seq = Sequence(
+            request_id=params.request_id, prompt_ids=list(params.prompt_ids),
+            max_tokens=params.max_tokens, sampling=params.sampling,
+            stop_token_ids=frozenset(stop_ids), priority=params.priority,
+            max_model_len=desc.max_model_len,
+        )
+        queue = link.submit(seq)
+        log.info("request queued", request_id=params.request_id, worker_id=desc.worker_id,
+                 num_prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens)
+        try:
+            while True:
+                event = await queue.get()
+                if event.finish is Finish.FAILED:
+                    raise WorkerFailedError(seq.error)
+                yield event
+                if event.finish is not None:
+                    log.info("request finished", request_id=params.request_id,
+                             finish=event.finish.value, num_output_tokens=len(seq.output_ids))
+                    return
+        finally:
+            if not seq.is_finished:
+                link.cancel(seq)
+                log.info("request cancelled", request_id=params.request_id,
+                         num_output_tokens=len(seq.output_ids))
+
+
+def _validate_shape(params: GenerateParams) -> None:
+    if not params.request_id:
+        raise InvalidRequestError("request_id is required")
+    if not params.model:
+        raise InvalidRequestError("model is required")
+    if not params.prompt_ids:
+        raise InvalidRequestError("prompt_token_ids must not be empty")
+    if any(t < 0 for t in params.prompt_ids):
+        raise InvalidRequestError("prompt_token_ids must be non-negative token ids")
+    if params.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens={params.max_tokens}: must be >= 1")
+    s = params.sampling
+    if s.temperature < 0:
+        raise InvalidRequestError(f"temperature={s.temperature}: must be >= 0")
+    if not 0 < s.top_p <= 1:
+        raise InvalidRequestError(f"top_p={s.top_p}: must be in (0, 1]")
+    if s.top_k < 0:
+        raise InvalidRequestError(f"top_k={s.top_k}: must be >= 0")

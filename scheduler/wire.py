@@ -1,0 +1,40 @@
+"""Protobuf translation of the scheduler's side of the Worker/Run stream."""
+
+from __future__ import annotations
+
+from canteen.plan import Sampling, SampledToken, StepPlan, StepResult
+from canteen.v1 import common_pb2, worker_pb2
+
+
+def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                                     top_k=sampling.top_k, seed=sampling.seed)
+
+
+def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
+    return worker_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_sequences=[
+            worker_pb2.NewSequence(seq_id=n.seq_id, token_ids=n.token_ids,
+                                   sampling=sampling_to_pb(n.sampling), block_ids=n.block_ids,
+                                   num_cached_tokens=n.num_cached_tokens)
+            for n in plan.new_sequences
+        ],
+        scheduled=[
+            worker_pb2.ScheduledSequence(seq_id=s.seq_id, num_tokens=s.num_tokens,
+                                         new_block_ids=s.new_block_ids)
+            for s in plan.scheduled
+        ],
+        dropped_seq_ids=plan.dropped_seq_ids,
+    )
+
+
+def result_from_pb(msg: worker_pb2.StepResult) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        tokens=tuple(SampledToken(t.seq_id, t.token_id, t.logprob) for t in msg.tokens),
+        num_tokens=msg.num_tokens,
+        forward_ns=msg.timings.forward_ns,
+        sample_ns=msg.timings.sample_ns,
+        total_ns=msg.timings.total_ns,
+    )

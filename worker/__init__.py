@@ -1,0 +1,1 @@
+"""The model worker: one model version on one device, paged KV, one forward per step."""

@@ -1,0 +1,144 @@
+"""``python -m worker``: load a model from the registry, serve canteen.v1.Worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+
+import grpc
+import torch
+
+from canteen.config import parse_config
+from canteen.logging import configure_logging, get_logger
+from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
+from canteen.server import ServiceRuntime
+from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from worker.config import WorkerConfig
+from worker.loader import ModelLoadError, load_model, pick_device, pick_dtype
+from worker.runner import ModelRunner, kv_bytes_per_block
+from worker.server import WorkerIdentity, WorkerServicer
+
+log = get_logger("worker")
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+_FORMATS = {registry_pb2.MODEL_FORMAT_GGUF: "gguf", registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors"}
+
+
+async def fetch_record(registry: registry_pb2_grpc.RegistryStub, model: str
+                       ) -> registry_pb2.ModelRecord:
+    name, _, version = model.partition(":")
+    delay = 0.2
+    while True:
+        try:
+            return await registry.GetModel(registry_pb2.GetModelRequest(name=name, version=version),
+                                           timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise ModelLoadError(exc.details()) from exc
+            log.info("waiting for registry", delay=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+def warm_up(runner: ModelRunner) -> None:
+    """One prefill and one decode step, so the first request does not pay for lazy init."""
+    n = min(runner.block_size * 2, runner.num_blocks * runner.block_size - 1)
+    blocks = tuple(range(min(runner.num_blocks, 3)))
+    seq = NewSequence("warm-up", tuple([1] * n), Sampling(temperature=0.0), blocks)
+    runner.step(StepPlan(0, (seq,), (ScheduledSequence("warm-up", n),)))
+    runner.step(StepPlan(0, (), (ScheduledSequence("warm-up", 1),)))
+    runner.step(StepPlan(0, dropped_seq_ids=("warm-up",)))
+
+
+async def keep_lease(registry: registry_pb2_grpc.RegistryStub,
+                     request: registry_pb2.RegisterWorkerRequest) -> None:
+    """Registers, then heartbeats; re-registers when the registry forgot the lease."""
+    registered = False
+    ttl = 10.0
+    while True:
+        try:
+            if not registered:
+                lease = await registry.RegisterWorker(request, timeout=5)
+                registered = True
+                log.info("registered", registry_ttl=lease.ttl_seconds)
+            else:
+                lease = await registry.Heartbeat(
+                    registry_pb2.HeartbeatRequest(worker_id=request.worker_id), timeout=5)
+            ttl = lease.ttl_seconds
+        except grpc.aio.AioRpcError as exc:
+            registered = registered and exc.code() != grpc.StatusCode.NOT_FOUND
+            log.warning("lease renewal failed", code=exc.code().name)
+        await asyncio.sleep(max(ttl / 3, 0.1))
+
+
+async def serve(config: WorkerConfig) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+    runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
+    channel = grpc.aio.insecure_channel(config.registry)
+    registry = registry_pb2_grpc.RegistryStub(channel)
+    device = pick_device(config.device)
+    record = await fetch_record(registry, config.model)
+    identity = WorkerIdentity(worker_id, record.name, record.version, str(device),
+                              config.max_batched_tokens)
+    servicer = WorkerServicer(identity)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
+    port = await runtime.start([SERVICE_NAME])
+
+    log.info("loading model", model=record.name, version=record.version, path=record.path,
+             device=str(device))
+    loaded = await asyncio.to_thread(
+        load_model, record.path, _FORMATS.get(record.format, ""), record.sha256, device,
+        pick_dtype(config.dtype, device), config.verify_checksum,
+    )
+    per_block = kv_bytes_per_block(loaded, config.block_size)
+    num_blocks = config.num_kv_blocks or max(config.kv_cache_bytes // per_block, 1)
+    runner = ModelRunner(loaded, num_blocks, config.block_size)
+    await asyncio.to_thread(warm_up, runner)
+    servicer.runner, servicer.bytes_per_block = runner, per_block
+    servicer.eos_token_ids = loaded.eos_token_ids
+    servicer.max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
+    log.info("ready", num_blocks=num_blocks, block_size=config.block_size,
+             bytes_per_block=per_block, eos_token_ids=list(loaded.eos_token_ids))
+    await runtime.set_ready(True)
+
+    host = config.advertise_host or config.host
+    lease = asyncio.create_task(keep_lease(registry, registry_pb2.RegisterWorkerRequest(
+        worker_id=worker_id, address=f"{host}:{port}", model=record.name,
+        version=record.version)))
+
+    async def drain() -> None:
+        lease.cancel()
+        try:
+            await registry.DeregisterWorker(
+                registry_pb2.DeregisterWorkerRequest(worker_id=worker_id), timeout=2)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("deregister failed", code=exc.code().name)
+        # The scheduler stops admitting here and lets running sequences finish.
+        try:
+            await asyncio.wait_for(servicer.idle.wait(), timeout=config.grace)
+        except TimeoutError:
+            log.warning("drain grace expired with sequences running")
+
+    runtime.on_drain(drain)
+    await runtime.wait()
+    await channel.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(WorkerConfig, argv, prog="python -m worker",
+                          description="Canteen model worker")
+    configure_logging("worker")
+    try:
+        asyncio.run(serve(config))
+    except ModelLoadError as exc:
+        log.error("cannot load model", error=str(exc))
+        sys.exit(2)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

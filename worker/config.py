@@ -1,0 +1,48 @@
+"""Worker configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canteen.config import option, parse_bytes, require
+from canteen.models import DEFAULT_MODEL_NAME
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Flags and CANTEEN_* variables of ``python -m worker``."""
+
+    host: str = option("127.0.0.1", "interface to bind")
+    port: int = option(50061, "gRPC port")
+    advertise_host: str = option("", "host the scheduler dials (default: --host)")
+    registry: str = option("127.0.0.1:50053", "registry address")
+    model: str = option(DEFAULT_MODEL_NAME, "model to serve, NAME or NAME:VERSION")
+    device: str = option("auto", "cpu, cuda, cuda:N or auto (CUDA when present)")
+    dtype: str = option("auto", "float32, bfloat16, float16 or auto (float32 on CPU)")
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory: str = option("512MiB", "bytes of KV cache, e.g. 512MiB or 2GiB")
+    num_kv_blocks: int = option(0, "exact number of KV blocks (overrides --kv-cache-memory)")
+    max_batched_tokens: int = option(2048, "most tokens one step computes")
+    threads: int = option(0, "torch CPU threads (0: torch's default)")
+    worker_id: str = option("", "worker id (default: generated)")
+    grace: float = option(30.0, "seconds running sequences get to finish on SIGTERM")
+    verify_checksum: bool = option(True, "check the weights' sha256 against the registry")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
+                "must be one of 8, 16, 32, 64, 128")
+        require(self.num_kv_blocks >= 0, "num_kv_blocks", self.num_kv_blocks, "must be >= 0")
+        require(self.max_batched_tokens >= 16, "max_batched_tokens", self.max_batched_tokens,
+                "must be >= 16")
+        require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
+                "must be auto, float32, bfloat16 or float16")
+        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+                "device", self.device, "must be auto, cpu, cuda or cuda:N")
+        require(self.threads >= 0, "threads", self.threads, "must be >= 0")
+        require(self.grace >= 0, "grace", self.grace, "must be >= 0")
+        parse_bytes(self.kv_cache_memory)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return parse_bytes(self.kv_cache_memory)

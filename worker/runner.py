@@ -1,0 +1,174 @@
+"""Applies step plans to per-sequence state and runs one forward pass per step.
+
+The runner owns the paged KV pool and every sequence's tokens and block table; it writes KV
+only into the blocks the scheduler named. It is not thread-safe: one thread runs it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
+from worker.attention import PagedBatch, PrefillSpan
+from worker.loader import LoadedModel
+from worker.sampler import sample
+
+
+class PlanError(ValueError):
+    """A plan that does not match the worker's state (a scheduler bug)."""
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    tokens: list[int]
+    sampling: Sampling
+    block_ids: list[int]
+    num_computed: int
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    element = torch.tensor([], dtype=loaded.dtype).element_size()
+    return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * element
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+        self.loaded = loaded
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv_pool = torch.zeros(
+            loaded.num_layers, 2, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim,
+            dtype=loaded.dtype, device=loaded.device,
+        )
+        self.sequences: dict[str, SequenceState] = {}
+
+    def step(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter_ns()
+        self._apply(plan)
+        if not plan.scheduled:
+            return StepResult(step_id=plan.step_id, total_ns=time.perf_counter_ns() - started)
+        batch, input_ids, positions, sample_rows = self._build(plan)
+        forward_start = time.perf_counter_ns()
+        with torch.inference_mode():
+            keep = sample_rows or [input_ids.shape[1] - 1]
+            logits = self.loaded.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, device=self.loaded.device),
+                paged_batch=batch,
+            ).logits[0]
+        sample_start = time.perf_counter_ns()
+        tokens = self._sample_and_advance(plan, logits, sample_rows)
+        done = time.perf_counter_ns()
+        return StepResult(
+            step_id=plan.step_id, tokens=tuple(tokens), num_tokens=plan.num_tokens,
+            forward_ns=sample_start - forward_start, sample_ns=done - sample_start,
+            total_ns=done - started,
+        )
+
+    def _apply(self, plan: StepPlan) -> None:
+        for seq_id in plan.dropped_seq_ids:
+            self.sequences.pop(seq_id, None)
+        for new in plan.new_sequences:
+            if new.seq_id in self.sequences:
+                raise PlanError(f"sequence {new.seq_id} sent twice")
+            self._check_blocks(new.block_ids)
+            self.sequences[new.seq_id] = SequenceState(
+                new.seq_id, list(new.token_ids), new.sampling, list(new.block_ids),
+                new.num_cached_tokens,
+            )
+        for item in plan.scheduled:
+            seq = self.sequences.get(item.seq_id)
+            if seq is None:
+                raise PlanError(f"sequence {item.seq_id} is not known to this worker")
+            self._check_blocks(item.new_block_ids)
+            seq.block_ids.extend(item.new_block_ids)
+            end = seq.num_computed + item.num_tokens
+            if item.num_tokens <= 0 or end > len(seq.tokens):
+                raise PlanError(
+                    f"sequence {seq.seq_id}: cannot compute {item.num_tokens} tokens after "
+                    f"{seq.num_computed} of {len(seq.tokens)}"
+                )
+            if end > len(seq.block_ids) * self.block_size:
+                raise PlanError(
+                    f"sequence {seq.seq_id}: {end} tokens need more than its "
+                    f"{len(seq.block_ids)} blocks of {self.block_size}"
+                )
+
+    def _check_blocks(self, block_ids: tuple[int, ...]) -> None:
+        for block in block_ids:
+            if not 0 <= block < self.num_blocks:
+                raise PlanError(f"block id {block} outside the pool of {self.num_blocks}")
+
+    def _build(self, plan: StepPlan) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, list[int]]:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        spans: list[tuple[int, int, int, list[int]]] = []
+        bs = self.block_size
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            start, end = seq.num_computed, seq.num_computed + item.num_tokens
+            row = len(ids)
+            ids.extend(seq.tokens[start:end])
+            pos.extend(range(start, end))
+            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            if item.num_tokens == 1:
+                decode_rows.append(row)
+                decode_tables.append(seq.block_ids[: (end + bs - 1) // bs])
+                decode_lens.append(end)
+            else:
+                spans.append((row, item.num_tokens, end, seq.block_ids[: (end + bs - 1) // bs]))
+            if end == len(seq.tokens):
+                sample_rows.append(len(ids) - 1)
+        device = self.loaded.device
+        batch = PagedBatch(
+            kv_pool=self.kv_pool,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            prefills=[
+                PrefillSpan(s, q, c, torch.tensor(b, dtype=torch.long, device=device))
+                for s, q, c, b in spans
+            ],
+        )
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            batch.decode_index = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            batch.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+            lens = torch.tensor(decode_lens, device=device)
+            keys = torch.arange(width * bs, device=device)
+            batch.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        positions = torch.tensor([pos], dtype=torch.long, device=device)
+        return batch, input_ids, positions, sample_rows
+
+    def _sample_and_advance(
+        self, plan: StepPlan, logits: torch.Tensor, sample_rows: list[int]
+    ) -> list[SampledToken]:
+        sampling_seqs: list[SequenceState] = []
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            seq.num_computed += item.num_tokens
+            if seq.num_computed == len(seq.tokens):
+                sampling_seqs.append(seq)
+        if not sampling_seqs:
+            return []
+        token_ids, logprobs = sample(
+            logits[: len(sampling_seqs)],
+            [s.sampling for s in sampling_seqs],
+            [len(s.tokens) for s in sampling_seqs],
+        )
+        out = []
+        for seq, token, logprob in zip(sampling_seqs, token_ids, logprobs, strict=True):
+            seq.tokens.append(token)
+            out.append(SampledToken(seq.seq_id, token, logprob))
+        return out

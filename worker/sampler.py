@@ -1,0 +1,56 @@
+"""Per-sequence sampling whose randomness is a function of (seed, position) only.
+
+The same seed gives the same tokens whatever else is in the batch, and a sequence re-run on
+another worker after a preemption or failover continues with exactly the tokens it would
+have produced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from canteen.plan import Sampling
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): a well-mixed 63-bit seed for one draw."""
+    z = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    scaled = logits / sampling.temperature
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (keep at least one).
+        drop = (cumulative - sorted_probs) >= sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, samplings: list[Sampling], positions: list[int]
+) -> tuple[list[int], list[float]]:
+    """Picks one token per row of ``logits`` [N, V]; returns token ids and logprobs."""
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = torch.argmax(logits, dim=-1)
+    for row, (sampling, position) in enumerate(zip(samplings, positions, strict=True)):
+        if sampling.is_greedy:
+            continue
+        probs = _filtered_probs(logits[row], sampling)
+        generator = torch.Generator(device=logits.device)
+        generator.manual_seed(position_seed(sampling.seed, position))
+        chosen[row] = torch.multinomial(probs, 1, generator=generator)[0]
+    picked = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    return chosen.tolist(), picked.tolist()

@@ -1,0 +1,122 @@
+"""gRPC translation for canteen.v1.Worker: protobuf plans in, protobuf results out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from canteen.logging import get_logger
+from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan, StepResult
+from canteen.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker.runner import ModelRunner, PlanError
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    worker_id: str
+    model: str
+    version: str
+    device: str
+    max_batched_tokens: int
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(msg.temperature, msg.top_p, msg.top_k, msg.seed)
+
+
+def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        new_sequences=tuple(
+            NewSequence(n.seq_id, tuple(n.token_ids), sampling_from_pb(n.sampling),
+                        tuple(n.block_ids), n.num_cached_tokens)
+            for n in msg.new_sequences
+        ),
+        scheduled=tuple(
+            ScheduledSequence(s.seq_id, s.num_tokens, tuple(s.new_block_ids))
+            for s in msg.scheduled
+        ),
+        dropped_seq_ids=tuple(msg.dropped_seq_ids),
+    )
+
+
+def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
+    return worker_pb2.StepResult(
+        step_id=result.step_id,
+        tokens=[worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+                for t in result.tokens],
+        num_tokens=result.num_tokens,
+        timings=worker_pb2.StepTimings(forward_ns=result.forward_ns,
+                                       sample_ns=result.sample_ns, total_ns=result.total_ns),
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, identity: WorkerIdentity) -> None:
+        self.identity = identity
+        self.runner: ModelRunner | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.max_model_len = 0
+        self.bytes_per_block = 0
+        # The forward pass runs here, never on the event loop.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.num_streams = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def run_step(self, plan: StepPlan) -> StepResult:
+        assert self.runner is not None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.runner.step, plan)
+
+    async def GetInfo(self, request: worker_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        assert self.runner is not None
+        i = self.identity
+        return worker_pb2.WorkerInfo(
+            worker_id=i.worker_id, model=i.model, version=i.version,
+            num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
+            bytes_per_block=self.bytes_per_block, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids, device=i.device,
+            max_batched_tokens=i.max_batched_tokens,
+        )
+
+    async def Run(self, request_iterator: AsyncIterator[worker_pb2.StepPlan],
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
+        assert self.runner is not None
+        # A new stream is a new scheduler session: it owns all state from here on.
+        self.runner.sequences.clear()
+        self.num_streams += 1
+        self.idle.clear()
+        log.info("run stream opened")
+        try:
+            async for msg in request_iterator:
+                plan = plan_from_pb(msg)
+                for new in plan.new_sequences:
+                    log.debug("sequence added", request_id=new.seq_id,
+                              num_tokens=len(new.token_ids), num_cached=new.num_cached_tokens)
+                try:
+                    result = await self.run_step(plan)
+                except PlanError as exc:
+                    log.error("bad plan", step_id=plan.step_id, error=str(exc))
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                yield result_to_pb(result)
+                if not self.runner.sequences:
+                    self.idle.set()
+                else:
+                    self.idle.clear()
+        finally:
+            self.num_streams -= 1
+            self.runner.sequences.clear()
+            self.idle.set()
+            log.info("run stream closed")
