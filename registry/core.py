@@ -69,6 +69,16 @@ class Registry:
             ModelRecord(DEFAULT_MODEL_NAME, DEFAULT_MODEL_VERSION, "gguf", str(path), "", 0)
         )
 
+    async def add_from_spec(self, spec: str) -> None:
+        """Registers ``NAME:VERSION=PATH`` unless that version is already there."""
+        ref, sep, path = spec.partition("=")
+        name, _, version = ref.partition(":")
+        if not sep or not name or not version or not path:
+            raise InvalidModelError(f"add_model={spec!r}: use NAME:VERSION=PATH")
+        if any(m.name == name and m.version == version for m in self.store.list()):
+            return
+        await self.add_model(ModelRecord(name, version, "", path, "", 0))
+
     async def watch_models(self) -> AsyncIterator[list[ModelRecord]]:
         seen = -1
         while True:

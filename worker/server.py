@@ -103,8 +103,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for msg in request_iterator:
                 plan = plan_from_pb(msg)
                 for new in plan.new_sequences:
-                    log.debug("sequence added", request_id=new.seq_id,
-                              num_tokens=len(new.token_ids), num_cached=new.num_cached_tokens)
+                    log.info("sequence added", request_id=new.seq_id,
+                             num_tokens=len(new.token_ids), num_cached=new.num_cached_tokens)
+                for seq_id in plan.dropped_seq_ids:
+                    log.info("sequence dropped", request_id=seq_id)
                 try:
                     result = await self.run_step(plan)
                 except PlanError as exc:

@@ -92,7 +92,7 @@ class GenerateRequest(_message.Message):
     prompt: _builtins.str
     """Raw text, tokenized as is."""
     max_tokens: _builtins.int
-    """Most tokens to generate; 0 means up to the model's context length."""
+    """Most tokens to generate, >= 1; unset means up to the model's context length."""
     temperature: _builtins.float
     """Softmax temperature, >= 0; 0 means greedy. Unset means 1."""
     top_p: _builtins.float
@@ -123,7 +123,7 @@ class GenerateRequest(_message.Message):
         model: _builtins.str = ...,
         prompt: _builtins.str = ...,
         messages: Global___ChatMessages | None = ...,
-        max_tokens: _builtins.int = ...,
+        max_tokens: _builtins.int | None = ...,
         temperature: _builtins.float | None = ...,
         top_p: _builtins.float | None = ...,
         top_k: _builtins.int = ...,
@@ -133,10 +133,12 @@ class GenerateRequest(_message.Message):
         ignore_eos: _builtins.bool = ...,
         priority: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "input", b"input", "messages", b"messages", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
@@ -145,6 +147,8 @@ class GenerateRequest(_message.Message):
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "messages"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload

@@ -1,0 +1,135 @@
+"""The ``canteen`` command: run the suite on a laptop, talk to it, manage models."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import grpc
+
+from canteen.launcher import Launcher, SuiteLayout
+from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc, registry_pb2, registry_pb2_grpc
+
+_FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower()
+                 for k, v in common_pb2.FinishReason.items()}
+
+
+def _up(args: argparse.Namespace) -> int:
+    layout = SuiteLayout(base_port=args.base_port, num_workers=args.workers,
+                         model=args.model, add_models=args.add_model, db=args.db,
+                         worker_args=args.worker_arg, host=args.host)
+    return asyncio.run(Launcher(layout).run(ready_timeout=args.ready_timeout))
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    request = inference_pb2.GenerateRequest(model=args.model, ignore_eos=args.ignore_eos)
+    if args.chat:
+        request.messages.messages.add(role="user", content=args.prompt)
+    else:
+        request.prompt = args.prompt
+    if args.max_tokens is not None:
+        request.max_tokens = args.max_tokens
+    if args.temperature is not None:
+        request.temperature = args.temperature
+    if args.seed is not None:
+        request.seed = args.seed
+    request.stop.extend(args.stop or [])
+    api_key = args.api_key or os.environ.get("CANTEEN_API_KEY", "")
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    async with grpc.aio.insecure_channel(args.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        try:
+            async for msg in stub.Generate(request, metadata=metadata, timeout=args.timeout):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finish_reason:
+                    sys.stdout.write("\n")
+                    u = msg.usage
+                    print(f"[{msg.model}] finish={_FINISH_NAMES[msg.finish_reason]} "
+                          f"prompt_tokens={u.prompt_tokens} completion_tokens="
+                          f"{u.completion_tokens} cached_tokens={u.cached_tokens}",
+                          file=sys.stderr)
+        except grpc.aio.AioRpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+async def _models(args: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(args.registry) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        try:
+            if args.models_command == "add":
+                record = registry_pb2.ModelRecord(name=args.name, version=args.version,
+                                                  path=os.path.abspath(args.path))
+                added = await stub.AddModel(registry_pb2.AddModelRequest(model=record),
+                                            timeout=120)
+                print(f"added {added.name}:{added.version} sha256={added.sha256}")
+            else:
+                listing = await stub.ListModels(registry_pb2.ListModelsRegistryRequest(),
+                                                timeout=10)
+                for m in listing.models:
+                    mark = "*" if m.name == listing.default_model else " "
+                    print(f"{mark} {m.name}:{m.version}  max_model_len={m.max_model_len}  {m.path}")
+        except grpc.aio.AioRpcError as exc:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="canteen", description="Canteen LLM inference suite")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run registry, scheduler, workers and gateway")
+    up.add_argument("--base-port", type=int, default=50051,
+                    help="gateway port; scheduler +1, registry +2, workers +10..")
+    up.add_argument("--workers", type=int, default=1, help="number of workers")
+    up.add_argument("--model", default="", help="model the workers serve (default: SmolLM2)")
+    up.add_argument("--add-model", action="append", default=[], metavar="NAME:VERSION=PATH",
+                    help="register a model at start (repeatable)")
+    up.add_argument("--db", default="", help="registry database (default: a per-user file)")
+    up.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
+    up.add_argument("--worker-arg", action="append", default=[],
+                    help="extra flag for every worker, e.g. --worker-arg=--num-kv-blocks=64")
+    up.add_argument("--ready-timeout", type=float, default=600.0,
+                    help="seconds to wait for every service to be ready")
+
+    gen = sub.add_parser("generate", help="stream an answer to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message")
+    gen.add_argument("--model", default="")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--address", default=os.environ.get("CANTEEN_GATEWAY", "127.0.0.1:50051"))
+    gen.add_argument("--api-key", default="")
+    gen.add_argument("--timeout", type=float, default=None)
+
+    models = sub.add_parser("models", help="manage model records in the registry")
+    models.add_argument("--registry",
+                        default=os.environ.get("CANTEEN_REGISTRY", "127.0.0.1:50053"))
+    msub = models.add_subparsers(dest="models_command", required=True)
+    add = msub.add_parser("add", help="register a model version")
+    add.add_argument("path")
+    add.add_argument("--name", required=True)
+    add.add_argument("--version", required=True)
+    msub.add_parser("list", help="list model versions")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "up":
+        sys.exit(_up(args))
+    if args.command == "generate":
+        sys.exit(asyncio.run(_generate(args)))
+    sys.exit(asyncio.run(_models(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""``canteen up``: the four services as separate processes, started in order, stopped gently.
+
+Each child is waited on through its gRPC readiness (health Watch); Ctrl-C or SIGTERM stops
+the gateway first and the registry last, each with SIGTERM so it drains, then SIGKILL for
+whatever outlives its grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass(frozen=True)
+class SuiteLayout:
+    base_port: int = 50051
+    num_workers: int = 1
+    model: str = ""
+    add_models: list[str] = field(default_factory=list)
+    db: str = ""
+    worker_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_workers <= 64:
+            raise ValueError(f"workers={self.num_workers}: must be in 1..64")
+        if not 1024 <= self.base_port <= 65535 - 80:
+            raise ValueError(f"base_port={self.base_port}: must be in 1024..65455")
+
+    @property
+    def gateway_port(self) -> int:
+        return self.base_port
+
+    @property
+    def scheduler_port(self) -> int:
+        return self.base_port + 1
+
+    @property
+    def registry_port(self) -> int:
+        return self.base_port + 2
+
+    def worker_port(self, index: int) -> int:
+        return self.base_port + 10 + index
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    port: int
+    service: str
+    process: asyncio.subprocess.Process | None = None
+
+
+def default_db() -> str:
+    root = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "canteen"
+    return str(root / "registry.db")
+
+
+def plan_children(layout: SuiteLayout) -> list[Child]:
+    py = sys.executable
+    registry = f"127.0.0.1:{layout.registry_port}"
+    reg_args = [py, "-m", "registry", "--port", str(layout.registry_port),
+                "--db", layout.db or default_db()]
+    if layout.add_models:
+        reg_args += ["--add-model", ",".join(layout.add_models)]
+    if layout.model:
+        reg_args += ["--default-model", layout.model.partition(":")[0]]
+    children = [
+        Child("registry", reg_args, layout.registry_port, "canteen.v1.Registry"),
+        Child("scheduler", [py, "-m", "scheduler", "--port", str(layout.scheduler_port),
+                            "--registry", registry], layout.scheduler_port, "canteen.v1.Scheduler"),
+    ]
+    for i in range(layout.num_workers):
+        argv = [py, "-m", "worker", "--port", str(layout.worker_port(i)), "--registry", registry,
+                "--worker-id", f"worker-{i}"]
+        if layout.model:
+            argv += ["--model", layout.model]
+        children.append(Child(f"worker-{i}", argv + layout.worker_args, layout.worker_port(i),
+                              "canteen.v1.Worker"))
+    children.append(Child("gateway", [
+        py, "-m", "gateway", "--port", str(layout.gateway_port), "--host", layout.host,
+        "--scheduler", f"127.0.0.1:{layout.scheduler_port}", "--registry", registry,
+    ], layout.gateway_port, "canteen.v1.Inference"))
+    return children
+
+
+async def wait_ready(port: int, service: str) -> None:
+    """Returns once the server on ``port`` reports ``service`` SERVING."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                async for msg in stub.Watch(health_pb2.HealthCheckRequest(service=service),
+                                            wait_for_ready=True):
+                    if msg.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.2)  # not listening yet; wait_for_ready retries too
+
+
+class Launcher:
+    def __init__(self, layout: SuiteLayout, stop_grace: float = 40.0) -> None:
+        self.layout = layout
+        self.children = plan_children(layout)
+        self.stop_grace = stop_grace
+        self._stop = asyncio.Event()
+
+    async def run(self, ready_timeout: float) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for child in self.children:
+            # Own session: a terminal's Ctrl-C reaches only the launcher, which stops them in order.
+            child.process = await asyncio.create_subprocess_exec(*child.argv, env=env,
+                                                                 start_new_session=True)
+        exits = [asyncio.ensure_future(c.process.wait()) for c in self.children if c.process]
+        readiness = asyncio.ensure_future(asyncio.wait_for(
+            asyncio.gather(*(wait_ready(c.port, c.service) for c in self.children)),
+            ready_timeout))
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait([readiness, stop, *exits],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        code = 0
+        if readiness in done and readiness.exception() is None:
+            self._print_endpoints()
+            done, _ = await asyncio.wait([stop, *exits], return_when=asyncio.FIRST_COMPLETED)
+        if stop not in done:
+            code = 1
+            print("canteen: a service stopped or did not become ready; stopping the suite",
+                  file=sys.stderr, flush=True)
+        readiness.cancel()
+        await self._stop_all()
+        return code
+
+    def _print_endpoints(self) -> None:
+        lay = self.layout
+        lines = [
+            "Canteen is ready:",
+            f"  gateway   {lay.host}:{lay.gateway_port}  (canteen.v1.Inference)",
+            f"  scheduler 127.0.0.1:{lay.scheduler_port}",
+            f"  registry  127.0.0.1:{lay.registry_port}",
+            *(f"  worker-{i}  127.0.0.1:{lay.worker_port(i)}" for i in range(lay.num_workers)),
+            f"Try: canteen generate --chat 'Hello!' --address 127.0.0.1:{lay.gateway_port}",
+        ]
+        print("\n".join(lines), flush=True)
+
+    async def _stop_all(self) -> None:
+        order = (["gateway", "scheduler"] + [c.name for c in self.children
+                                             if c.name.startswith("worker")] + ["registry"])
+        by_name = {c.name: c for c in self.children}
+        for name in order:
+            process = by_name[name].process
+            if process is None or process.returncode is not None:
+                continue
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), self.stop_grace)
+            except TimeoutError:
+                process.kill()
+                await process.wait()

@@ -1,0 +1,108 @@
+"""``python -m gateway``: the public canteen.v1.Inference edge."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from canteen.config import parse_config
+from canteen.logging import configure_logging, get_logger
+from canteen.server import ServiceRuntime
+from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from gateway.auth import ApiKeys
+from gateway.catalog import ModelCatalog
+from gateway.config import GatewayConfig
+from gateway.server import InferenceServicer
+from gateway.service import InferenceService
+from gateway.tokenizers import TokenizerCache
+
+log = get_logger("gateway")
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+def bind_host(config: GatewayConfig, keys: ApiKeys) -> str:
+    if config.host:
+        if not keys.is_enabled and not _is_loopback(config.host):
+            log.warning("serving without API keys on a non-loopback interface", host=config.host)
+        return config.host
+    return "0.0.0.0" if keys.is_enabled else "127.0.0.1"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+async def follow_scheduler(channel: grpc.aio.Channel, runtime: ServiceRuntime,
+                           preload: asyncio.Future[None]) -> None:
+    """Readiness follows the scheduler's readiness (health Watch, reconnecting)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    delay = 0.2
+    while True:
+        try:
+            async for msg in stub.Watch(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)):
+                delay = 0.2
+                is_serving = msg.status == health_pb2.HealthCheckResponse.SERVING
+                await preload
+                await runtime.set_ready(is_serving)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("scheduler health watch broken", code=exc.code().name)
+        await runtime.set_ready(False)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+async def serve(config: GatewayConfig) -> None:
+    keys = ApiKeys.load(config.api_keys_file, config.api_keys)
+    host = bind_host(config, keys)
+    runtime = ServiceRuntime(SERVICE_NAME, f"{host}:{config.port}", config.grace)
+    catalog = ModelCatalog(config.registry)
+    tokenizers = TokenizerCache()
+    channel = grpc.aio.insecure_channel(config.scheduler)
+    service = InferenceService(config, catalog, tokenizers,
+                               scheduler_pb2_grpc.SchedulerStub(channel))
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(service, keys),
+                                                        runtime.server)
+    await runtime.start([SERVICE_NAME])
+    watcher = asyncio.create_task(catalog.watch_forever())
+
+    async def preload_default() -> None:
+        await catalog.loaded.wait()
+        if catalog.default_model:
+            try:
+                await tokenizers.get(catalog.resolve(""))
+            except Exception as exc:  # the model may be registered later
+                log.warning("default tokenizer not loaded", error=str(exc))
+        log.info("tokenizer ready", model=catalog.default_model)
+
+    preload = asyncio.ensure_future(preload_default())
+    health = asyncio.create_task(follow_scheduler(channel, runtime, preload))
+    await runtime.wait()
+    for task in (watcher, health, preload):
+        task.cancel()
+    await channel.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(GatewayConfig, argv, prog="python -m gateway",
+                          description="Canteen gateway")
+    configure_logging("gateway")
+    try:
+        asyncio.run(serve(config))
+    except ValueError as exc:
+        log.error("bad configuration", error=str(exc))
+        sys.exit(2)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

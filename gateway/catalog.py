@@ -1,0 +1,85 @@
+"""The gateway's cached view of the registry's models, kept fresh by its watch stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from canteen.logging import get_logger
+from canteen.v1 import registry_pb2, registry_pb2_grpc
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    name: str
+    version: str
+    format: str
+    path: str
+    max_model_len: int
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}:{self.version}"
+
+
+class UnknownModelError(LookupError):
+    pass
+
+
+_FORMATS = {registry_pb2.MODEL_FORMAT_GGUF: "gguf",
+            registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors"}
+
+
+class ModelCatalog:
+    def __init__(self, registry_address: str) -> None:
+        self._address = registry_address
+        self._latest: dict[str, ModelVersion] = {}
+        self._versions: dict[str, ModelVersion] = {}
+        self.default_model = ""
+        self.loaded = asyncio.Event()
+        self.on_change: list[Callable[[], Awaitable[None]]] = []
+
+    def models(self) -> list[ModelVersion]:
+        return sorted(self._latest.values(), key=lambda m: m.name)
+
+    def resolve(self, requested: str) -> ModelVersion:
+        """A name, ``name:version`` or empty (the default model) to one model version."""
+        wanted = requested or self.default_model
+        found = self._versions.get(wanted) if ":" in wanted else self._latest.get(wanted)
+        if found is None:
+            known = ", ".join(m.name for m in self.models()) or "none"
+            raise UnknownModelError(f"model {wanted!r} is not registered (available: {known})")
+        return found
+
+    def _apply(self, msg: registry_pb2.ListModelsRegistryResponse) -> None:
+        latest: dict[str, ModelVersion] = {}
+        versions: dict[str, ModelVersion] = {}
+        for record in msg.models:  # ordered by name, then creation time
+            model = ModelVersion(record.name, record.version, _FORMATS.get(record.format, ""),
+                                 record.path, record.max_model_len)
+            latest[model.name] = model
+            versions[model.ref] = model
+        self._latest, self._versions = latest, versions
+        self.default_model = msg.default_model
+
+    async def watch_forever(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                async with grpc.aio.insecure_channel(self._address) as channel:
+                    stub = registry_pb2_grpc.RegistryStub(channel)
+                    async for msg in stub.WatchModels(registry_pb2.WatchModelsRequest()):
+                        delay = 0.2
+                        self._apply(msg)
+                        self.loaded.set()
+                        for callback in self.on_change:
+                            await callback()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("registry watch broken", code=exc.code().name, retry_in=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

@@ -1,0 +1,30 @@
+"""Gateway configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from canteen.config import option, require
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Flags and CANTEEN_* variables of ``python -m gateway``."""
+
+    host: str = option("", "interface to bind (default 127.0.0.1, or 0.0.0.0 with API keys)")
+    port: int = option(50051, "gRPC port of canteen.v1.Inference")
+    scheduler: str = option("127.0.0.1:50052", "scheduler address")
+    registry: str = option("127.0.0.1:50053", "registry address")
+    api_keys_file: str = option("", "file with one API key per line")
+    api_keys: str = option("", "comma-separated API keys")
+    max_prompt_chars: int = option(1_000_000, "longest prompt or message list, in characters")
+    max_messages: int = option(256, "most chat messages in one request")
+    max_stop_strings: int = option(16, "most stop strings in one request")
+    max_stop_length: int = option(256, "longest stop string, in characters")
+    grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        for name in ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_length"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        require(self.grace >= 0, "grace", self.grace, "must be >= 0")

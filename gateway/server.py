@@ -1,0 +1,126 @@
+"""gRPC translation for canteen.v1.Inference."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from gateway.auth import ApiKeys
+from gateway.catalog import UnknownModelError
+from gateway.service import (
+    GenerateInput,
+    InferenceService,
+    InvalidInputError,
+    TextDelta,
+    UpstreamError,
+)
+
+_FINISH_TO_PB = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    "content_filter": common_pb2.FINISH_REASON_CONTENT_FILTER,
+}
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def input_from_pb(msg: inference_pb2.GenerateRequest, request_id: str) -> GenerateInput:
+    which = msg.WhichOneof("input")
+    return GenerateInput(
+        request_id=request_id,
+        model=msg.model,
+        prompt=msg.prompt if which == "prompt" else None,
+        messages=([{"role": m.role, "content": m.content} for m in msg.messages.messages]
+                  if which == "messages" else None),
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        priority=msg.priority,
+    )
+
+
+def _usage_to_pb(delta: TextDelta) -> common_pb2.Usage | None:
+    if delta.usage is None:
+        return None
+    u = delta.usage
+    return common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                            cached_tokens=u.cached_tokens)
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, service: InferenceService, keys: ApiKeys) -> None:
+        self._service = service
+        self._keys = keys
+
+    async def _begin(self, context: grpc.aio.ServicerContext) -> str:
+        metadata = {k: v for k, v in (context.invocation_metadata() or ())}
+        problem = self._keys.check(str(metadata.get("authorization", "")) or None)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        given = str(metadata.get("x-request-id", ""))
+        request_id = given if _REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        await context.send_initial_metadata((("x-request-id", request_id),))
+        return request_id
+
+    async def _stream(self, request: inference_pb2.GenerateRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[TextDelta]:
+        request_id = await self._begin(context)
+        inp = input_from_pb(request, request_id)
+        try:
+            async for delta in self._service.generate(inp, context.time_remaining()):
+                yield delta
+        except InvalidInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except UnknownModelError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except UpstreamError as exc:
+            await context.abort(exc.code, str(exc))
+
+    async def Generate(self, request: inference_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        request_id = ""
+        async for delta in self._stream(request, context):
+            request_id = request_id or str(structlog.contextvars.get_contextvars()["request_id"])
+            yield inference_pb2.GenerateResponse(
+                id=request_id, text=delta.text, token_ids=delta.token_ids, model=delta.model,
+                finish_reason=_FINISH_TO_PB.get(delta.finish_reason or "", 0),
+                usage=_usage_to_pb(delta),
+            )
+
+    async def Complete(self, request: inference_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> inference_pb2.CompleteResponse:
+        response = inference_pb2.CompleteResponse()
+        texts: list[str] = []
+        async for delta in self._stream(request, context):
+            texts.append(delta.text)
+            response.token_ids.extend(delta.token_ids)
+            response.model = delta.model
+            if delta.finish_reason is not None:
+                response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
+                response.usage.CopyFrom(_usage_to_pb(delta))
+        response.text = "".join(texts)
+        response.id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
+        return response
+
+    async def ListModels(self, request: inference_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
+        await self._begin(context)
+        catalog = self._service.catalog
+        return inference_pb2.ListModelsResponse(
+            models=[inference_pb2.ModelInfo(name=m.name, version=m.version,
+                                            max_model_len=m.max_model_len)
+                    for m in catalog.models()],
+            default_model=catalog.default_model,
+        )

@@ -1,0 +1,64 @@
+"""Tokenizers per model version, loaded once (off the event loop) and shared."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from gateway.catalog import ModelVersion
+
+
+class TemplateError(ValueError):
+    pass
+
+
+class Tokenizer:
+    def __init__(self, hf: Any) -> None:
+        self.hf = hf
+        self.vocab_size = len(hf)
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.hf(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.hf, "chat_template", None):
+            raise TemplateError("this model has no chat template; send a prompt instead")
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=True)
+        except Exception as exc:  # jinja raises its own exceptions for bad conversations
+            raise TemplateError(f"messages: the chat template rejected them: {exc}") from exc
+        return self.encode(str(text))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+
+def _load(model: ModelVersion) -> Tokenizer:
+    path = Path(model.path)
+    if model.format == "gguf":
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        hf = AutoTokenizer.from_pretrained(str(path))
+    return Tokenizer(hf)
+
+
+class TokenizerCache:
+    def __init__(self) -> None:
+        self._loading: dict[str, asyncio.Task[Tokenizer]] = {}
+
+    async def get(self, model: ModelVersion) -> Tokenizer:
+        task = self._loading.get(model.ref)
+        if task is None:
+            task = asyncio.ensure_future(asyncio.to_thread(_load, model))
+            self._loading[model.ref] = task
+        try:
+            return await asyncio.shield(task)
+        except Exception:
+            self._loading.pop(model.ref, None)
+            raise
