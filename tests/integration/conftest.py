@@ -1,0 +1,47 @@
+"""The real four services on loopback with the tiny random model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from canteen.v1 import inference_pb2_grpc, scheduler_pb2_grpc
+from tests.support.suite import Service, Suite, wait_serving
+
+NUM_KV_BLOCKS = 96
+BLOCK_SIZE = 8
+
+
+class TinySuite:
+    def __init__(self, suite: Suite, registry: Service, scheduler: Service, worker: Service,
+                 gateway: Service) -> None:
+        self.suite, self.registry, self.scheduler = suite, registry, scheduler
+        self.worker, self.gateway = worker, gateway
+        self.channel = grpc.insecure_channel(gateway.address)
+        self.inference = inference_pb2_grpc.InferenceStub(self.channel)
+        self.sched_channel = grpc.insecure_channel(scheduler.address)
+        self.scheduler_stub = scheduler_pb2_grpc.SchedulerStub(self.sched_channel)
+
+
+@pytest.fixture(scope="session")
+def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinySuite]:
+    s = Suite(tmp_path_factory.mktemp("suite"))
+    try:
+        registry = s.start_registry("--no-register-default",
+                                    "--add-model", f"tiny:v1={tiny_model_dir}",
+                                    "--default-model", "tiny")
+        scheduler = s.start_scheduler(registry)
+        worker = s.start_worker(registry, "tiny", "--num-kv-blocks", str(NUM_KV_BLOCKS),
+                                "--block-size", str(BLOCK_SIZE), "--threads", "1",
+                                "--max-batched-tokens", "256")
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
+        gateway = s.start_gateway(registry, scheduler)
+        tiny = TinySuite(s, registry, scheduler, worker, gateway)
+        yield tiny
+        tiny.channel.close()
+        tiny.sched_channel.close()
+    finally:
+        s.stop()

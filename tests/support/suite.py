@@ -1,0 +1,119 @@
+"""Starts the real services as processes on loopback, on free ports, for tests and benches."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Service:
+    name: str
+    port: int
+    service: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def wait_serving(address: str, service: str, timeout: float,
+                 process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"{service} at {address} exited with {process.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if status.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{service} at {address} not SERVING after {timeout}s")
+
+
+@dataclass
+class Suite:
+    """registry + scheduler + workers + gateway; ``start_*`` adds one process each."""
+
+    workdir: Path
+    services: list[Service] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def _spawn(self, name: str, module: str, args: list[str], service: str,
+               ready_timeout: float = 300.0, wait_ready: bool = True) -> Service:
+        port = free_port()
+        log_path = self.workdir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CANTEEN_LOG_LEVEL": "INFO",
+               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **self.env}
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, "--port", str(port), *args],
+            cwd=ROOT, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+        )
+        svc = Service(name, port, service, process, log_path)
+        self.services.append(svc)
+        try:
+            wait_serving(svc.address, service if wait_ready else "", ready_timeout, process)
+        except Exception as exc:
+            raise RuntimeError(f"{name} did not start:\n{svc.log()[-4000:]}") from exc
+        return svc
+
+    def start_registry(self, *args: str) -> Service:
+        db = str(self.workdir / "registry.db")
+        return self._spawn("registry", "registry", ["--db", db, *args], "canteen.v1.Registry")
+
+    def start_scheduler(self, registry: Service, *args: str) -> Service:
+        """Waits for liveness only: readiness needs a worker."""
+        return self._spawn("scheduler", "scheduler", ["--registry", registry.address, *args],
+                           "canteen.v1.Scheduler", wait_ready=False)
+
+    def start_worker(self, registry: Service, model: str, *args: str, name: str = "worker"
+                     ) -> Service:
+        return self._spawn(name, "worker", ["--registry", registry.address, "--model", model,
+                                            "--worker-id", name, *args], "canteen.v1.Worker")
+
+    def start_gateway(self, registry: Service, scheduler: Service, *args: str,
+                      name: str = "gateway") -> Service:
+        return self._spawn(name, "gateway", ["--registry", registry.address,
+                                             "--scheduler", scheduler.address, *args],
+                           "canteen.v1.Inference")
+
+    def stop(self) -> dict[str, int]:
+        codes = {}
+        for svc in reversed(self.services):
+            codes[svc.name] = svc.terminate()
+        return codes
