@@ -26,7 +26,7 @@ _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 class _DrainInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses new work with UNAVAILABLE once the runtime is draining."""
+    """Counts in-flight work and refuses new work with UNAVAILABLE once draining."""
 
     def __init__(self, runtime: ServiceRuntime) -> None:
         self._runtime = runtime
@@ -37,9 +37,72 @@ class _DrainInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
-        if self._runtime.is_draining and not method.startswith(_ALWAYS_ALLOWED):
-            return _unavailable_handler(await continuation(handler_call_details))
-        return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if method.startswith(_ALWAYS_ALLOWED) or method in self._runtime.untracked:
+            return handler
+        if self._runtime.is_draining:
+            return _unavailable_handler(handler)
+        return _counted(handler, self._runtime.in_flight)
+
+
+class _InFlight:
+    """How many tracked RPCs are running; ``idle`` is set when none are."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self.idle.clear()
+
+    def exit(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.idle.set()
+
+
+def _counted(handler: grpc.RpcMethodHandler, in_flight: _InFlight) -> grpc.RpcMethodHandler:
+    if handler is None:
+        return handler
+    des, ser = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            in_flight.enter()
+            try:
+                return await inner_uu(request, context)
+            finally:
+                in_flight.exit()
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
+    if handler.unary_stream is not None:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            in_flight.enter()
+            try:
+                async for item in inner_us(request, context):
+                    yield item
+            finally:
+                in_flight.exit()
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, des, ser)
+    if handler.stream_stream is not None:
+        inner_ss = handler.stream_stream
+
+        async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            in_flight.enter()
+            try:
+                async for item in inner_ss(requests, context):
+                    yield item
+            finally:
+                in_flight.exit()
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, des, ser)
+    return handler
 
 
 def _unavailable_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -70,8 +133,12 @@ class ServiceRuntime:
         address: str,
         grace_seconds: float = 10.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
+        untracked: tuple[str, ...] = (),
     ) -> None:
         self.service_name = service_name
+        # Long-lived watch streams that a drain does not wait for.
+        self.untracked = untracked
+        self.in_flight = _InFlight()
         self.address = address
         self.grace_seconds = grace_seconds
         self.is_draining = False
@@ -128,7 +195,13 @@ class ServiceRuntime:
                 await callback()
             except Exception:  # a failing hook must not block the exit
                 log.exception("drain hook failed")
-        await self.server.stop(self.grace_seconds)
+        # The server keeps answering (health, UNAVAILABLE for new work) while in-flight
+        # RPCs finish; only then does it stop listening.
+        try:
+            await asyncio.wait_for(self.in_flight.idle.wait(), self.grace_seconds)
+        except TimeoutError:
+            log.warning("grace period over; cancelling", num_in_flight=self.in_flight.count)
+        await self.server.stop(0.5)
         self._stopped.set()
 
     async def wait(self) -> None:

@@ -25,7 +25,9 @@ async def serve(config: RegistryConfig) -> None:
         await registry.register_default_model()
     for spec in filter(None, config.add_model.split(",")):
         await registry.add_from_spec(spec.strip())
-    runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
+    watches = tuple(f"/{SERVICE_NAME}/{m}" for m in ("WatchModels", "WatchWorkers"))
+    runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace,
+                             untracked=watches)
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), runtime.server)
     await runtime.start([SERVICE_NAME])
     expiry = asyncio.create_task(registry.directory.expire_forever())

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from canteen.models import weights_sha256
 from worker.attention import ATTENTION_NAME
+from worker.fast_linear import use_skinny_linears
 
 # Families whose attention goes through transformers' AttentionInterface with full (not
 # sliding-window) causal attention; the paged kernel is exact for them.
@@ -89,6 +90,8 @@ def load_model(path: str, fmt: str, sha256: str, device: torch.device, dtype: to
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ModelLoadError("sliding-window attention is not supported by the paged kernel")
     model.to(device).eval()
+    if device.type == "cpu":
+        use_skinny_linears(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return LoadedModel(
         model=model,

@@ -79,7 +79,7 @@ class Suite:
         port = free_port()
         log_path = self.workdir / f"{name}.log"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "CANTEEN_LOG_LEVEL": "INFO",
-               "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **self.env}
+               "TOKENIZERS_PARALLELISM": "false", **self.env}
         process = subprocess.Popen(
             [sys.executable, "-m", module, "--port", str(port), *args],
             cwd=ROOT, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
