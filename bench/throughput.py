@@ -25,16 +25,26 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canteen.models import DEFAULT_MODEL_NAME, default_model_path  # noqa: E402
-from canteen.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
-from tests.support.suite import Suite, wait_serving  # noqa: E402
+from canteen.models import DEFAULT_MODEL_NAME, default_model_path
+from canteen.v1 import inference_pb2, inference_pb2_grpc
+from tests.support.suite import Suite, wait_serving
 
 QUESTIONS = [
-    "What is the capital of France?", "Name three primary colors.", "Explain gravity.",
-    "Write a haiku about bread.", "Who wrote Hamlet?", "Why is the sea salty?",
-    "Say hello in Spanish.", "What is a prime number?", "Describe a cat.",
-    "What do bees make?", "How do planes fly?", "What is the largest ocean?",
-    "Give me a synonym for happy.", "Why is the sky blue?", "How do spiders spin webs?",
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Explain gravity.",
+    "Write a haiku about bread.",
+    "Who wrote Hamlet?",
+    "Why is the sea salty?",
+    "Say hello in Spanish.",
+    "What is a prime number?",
+    "Describe a cat.",
+    "What do bees make?",
+    "How do planes fly?",
+    "What is the largest ocean?",
+    "Give me a synonym for happy.",
+    "Why is the sky blue?",
+    "How do spiders spin webs?",
     "What is photosynthesis?",
 ]
 
@@ -61,8 +71,13 @@ def hf_sequential(model, prompts: list[list[int]], tokens: int) -> float:  # typ
     start = time.perf_counter()
     with torch.inference_mode():
         for ids in prompts:
-            model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
+            model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
     return len(prompts) * tokens / (time.perf_counter() - start)
 
 
@@ -72,14 +87,21 @@ def hf_batch(model, prompts: list[list[int]], tokens: int) -> float:  # type: ig
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=tokens, do_sample=False,
-                       eos_token_id=None, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return len(prompts) * tokens / (time.perf_counter() - start)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
@@ -91,11 +113,15 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     prompts = []
     for i in range(args.streams):
-        text = tok.apply_chat_template([{"role": "user", "content": QUESTIONS[i % 16]}],
-                                       tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % 16]}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     results: dict[str, list[float]] = {"canteen": [], "hf_batch": [], "hf_sequential": []}
     with tempfile.TemporaryDirectory() as tmp:
         suite = Suite(Path(tmp))
@@ -109,14 +135,19 @@ def main() -> None:
             for r in range(args.rounds):
                 results["hf_batch"].append(hf_batch(model, prompts, args.tokens))
                 results["canteen"].append(canteen_run(gateway.address, args.streams, args.tokens))
-                print(f"round {r + 1}: canteen {results['canteen'][-1]:.1f} tok/s, "
-                      f"hf batch {results['hf_batch'][-1]:.1f} tok/s", flush=True)
+                print(
+                    f"round {r + 1}: canteen {results['canteen'][-1]:.1f} tok/s, "
+                    f"hf batch {results['hf_batch'][-1]:.1f} tok/s",
+                    flush=True,
+                )
             results["hf_sequential"].append(hf_sequential(model, prompts, args.tokens))
         finally:
             suite.stop()
     best = {k: max(v) for k, v in results.items()}
     report = {
-        "streams": args.streams, "tokens": args.tokens, "tok_per_s": best,
+        "streams": args.streams,
+        "tokens": args.tokens,
+        "tok_per_s": best,
         "canteen_vs_hf_sequential": best["canteen"] / best["hf_sequential"],
         "canteen_vs_hf_batch": best["canteen"] / best["hf_batch"],
         "all_runs": results,

@@ -10,16 +10,29 @@ import sys
 import grpc
 
 from canteen.launcher import Launcher, SuiteLayout
-from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc, registry_pb2, registry_pb2_grpc
+from canteen.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+)
 
-_FINISH_NAMES = {v: k.removeprefix("FINISH_REASON_").lower()
-                 for k, v in common_pb2.FinishReason.items()}
+_FINISH_NAMES = {
+    v: k.removeprefix("FINISH_REASON_").lower() for k, v in common_pb2.FinishReason.items()
+}
 
 
 def _up(args: argparse.Namespace) -> int:
-    layout = SuiteLayout(base_port=args.base_port, num_workers=args.workers,
-                         model=args.model, add_models=args.add_model, db=args.db,
-                         worker_args=args.worker_arg, host=args.host)
+    layout = SuiteLayout(
+        base_port=args.base_port,
+        num_workers=args.workers,
+        model=args.model,
+        add_models=args.add_model,
+        db=args.db,
+        worker_args=args.worker_arg,
+        host=args.host,
+    )
     return asyncio.run(Launcher(layout).run(ready_timeout=args.ready_timeout))
 
 
@@ -47,10 +60,12 @@ async def _generate(args: argparse.Namespace) -> int:
                 if msg.finish_reason:
                     sys.stdout.write("\n")
                     u = msg.usage
-                    print(f"[{msg.model}] finish={_FINISH_NAMES[msg.finish_reason]} "
-                          f"prompt_tokens={u.prompt_tokens} completion_tokens="
-                          f"{u.completion_tokens} cached_tokens={u.cached_tokens}",
-                          file=sys.stderr)
+                    print(
+                        f"[{msg.model}] finish={_FINISH_NAMES[msg.finish_reason]} "
+                        f"prompt_tokens={u.prompt_tokens} completion_tokens="
+                        f"{u.completion_tokens} cached_tokens={u.cached_tokens}",
+                        file=sys.stderr,
+                    )
         except grpc.aio.AioRpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -62,14 +77,15 @@ async def _models(args: argparse.Namespace) -> int:
         stub = registry_pb2_grpc.RegistryStub(channel)
         try:
             if args.models_command == "add":
-                record = registry_pb2.ModelRecord(name=args.name, version=args.version,
-                                                  path=os.path.abspath(args.path))
-                added = await stub.AddModel(registry_pb2.AddModelRequest(model=record),
-                                            timeout=120)
+                record = registry_pb2.ModelRecord(
+                    name=args.name, version=args.version, path=os.path.abspath(args.path)
+                )
+                added = await stub.AddModel(registry_pb2.AddModelRequest(model=record), timeout=120)
                 print(f"added {added.name}:{added.version} sha256={added.sha256}")
             else:
-                listing = await stub.ListModels(registry_pb2.ListModelsRegistryRequest(),
-                                                timeout=10)
+                listing = await stub.ListModels(
+                    registry_pb2.ListModelsRegistryRequest(), timeout=10
+                )
                 for m in listing.models:
                     mark = "*" if m.name == listing.default_model else " "
                     print(f"{mark} {m.name}:{m.version}  max_model_len={m.max_model_len}  {m.path}")
@@ -84,18 +100,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run registry, scheduler, workers and gateway")
-    up.add_argument("--base-port", type=int, default=50051,
-                    help="gateway port; scheduler +1, registry +2, workers +10..")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=50051,
+        help="gateway port; scheduler +1, registry +2, workers +10..",
+    )
     up.add_argument("--workers", type=int, default=1, help="number of workers")
     up.add_argument("--model", default="", help="model the workers serve (default: SmolLM2)")
-    up.add_argument("--add-model", action="append", default=[], metavar="NAME:VERSION=PATH",
-                    help="register a model at start (repeatable)")
+    up.add_argument(
+        "--add-model",
+        action="append",
+        default=[],
+        metavar="NAME:VERSION=PATH",
+        help="register a model at start (repeatable)",
+    )
     up.add_argument("--db", default="", help="registry database (default: a per-user file)")
     up.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
-    up.add_argument("--worker-arg", action="append", default=[],
-                    help="extra flag for every worker, e.g. --worker-arg=--num-kv-blocks=64")
-    up.add_argument("--ready-timeout", type=float, default=600.0,
-                    help="seconds to wait for every service to be ready")
+    up.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag for every worker, e.g. --worker-arg=--num-kv-blocks=64",
+    )
+    up.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every service to be ready",
+    )
 
     gen = sub.add_parser("generate", help="stream an answer to the terminal")
     gen.add_argument("prompt")
@@ -111,8 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None)
 
     models = sub.add_parser("models", help="manage model records in the registry")
-    models.add_argument("--registry",
-                        default=os.environ.get("CANTEEN_REGISTRY", "127.0.0.1:50053"))
+    models.add_argument("--registry", default=os.environ.get("CANTEEN_REGISTRY", "127.0.0.1:50053"))
     msub = models.add_subparsers(dest="models_command", required=True)
     add = msub.add_parser("add", help="register a model version")
     add.add_argument("path")

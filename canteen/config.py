@@ -34,7 +34,7 @@ _SIZE_UNITS = {
 }
 
 
-def option(default: Any, help: str) -> Any:  # noqa: A002 - mirrors argparse
+def option(default: Any, help: str) -> Any:
     """A dataclass field with a default and a one-line help text."""
     return dataclasses.field(default=default, metadata={"help": help})
 
@@ -92,8 +92,13 @@ def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPar
         flag = "--" + field.name.replace("_", "-")
         help_text = f"{field.metadata.get('help', '')} (env {_env_name(field.name)})"
         if kind is bool:
-            parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
+            parser.add_argument(
+                flag,
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
         else:
             parser.add_argument(flag, dest=field.name, default=None, help=help_text)
     return parser
@@ -112,7 +117,7 @@ def parse_config(
     args = parser.parse_args(argv)
     hints = get_type_hints(cls)
     values: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
         kind = _base_type(hints[field.name])
         raw = getattr(args, field.name)
         try:

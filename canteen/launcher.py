@@ -67,28 +67,67 @@ def default_db() -> str:
 def plan_children(layout: SuiteLayout) -> list[Child]:
     py = sys.executable
     registry = f"127.0.0.1:{layout.registry_port}"
-    reg_args = [py, "-m", "registry", "--port", str(layout.registry_port),
-                "--db", layout.db or default_db()]
+    reg_args = [
+        py,
+        "-m",
+        "registry",
+        "--port",
+        str(layout.registry_port),
+        "--db",
+        layout.db or default_db(),
+    ]
     if layout.add_models:
         reg_args += ["--add-model", ",".join(layout.add_models)]
     if layout.model:
         reg_args += ["--default-model", layout.model.partition(":")[0]]
     children = [
         Child("registry", reg_args, layout.registry_port, "canteen.v1.Registry"),
-        Child("scheduler", [py, "-m", "scheduler", "--port", str(layout.scheduler_port),
-                            "--registry", registry], layout.scheduler_port, "canteen.v1.Scheduler"),
+        Child(
+            "scheduler",
+            [py, "-m", "scheduler", "--port", str(layout.scheduler_port), "--registry", registry],
+            layout.scheduler_port,
+            "canteen.v1.Scheduler",
+        ),
     ]
     for i in range(layout.num_workers):
-        argv = [py, "-m", "worker", "--port", str(layout.worker_port(i)), "--registry", registry,
-                "--worker-id", f"worker-{i}"]
+        argv = [
+            py,
+            "-m",
+            "worker",
+            "--port",
+            str(layout.worker_port(i)),
+            "--registry",
+            registry,
+            "--worker-id",
+            f"worker-{i}",
+        ]
         if layout.model:
             argv += ["--model", layout.model]
-        children.append(Child(f"worker-{i}", argv + layout.worker_args, layout.worker_port(i),
-                              "canteen.v1.Worker"))
-    children.append(Child("gateway", [
-        py, "-m", "gateway", "--port", str(layout.gateway_port), "--host", layout.host,
-        "--scheduler", f"127.0.0.1:{layout.scheduler_port}", "--registry", registry,
-    ], layout.gateway_port, "canteen.v1.Inference"))
+        children.append(
+            Child(
+                f"worker-{i}", argv + layout.worker_args, layout.worker_port(i), "canteen.v1.Worker"
+            )
+        )
+    children.append(
+        Child(
+            "gateway",
+            [
+                py,
+                "-m",
+                "gateway",
+                "--port",
+                str(layout.gateway_port),
+                "--host",
+                layout.host,
+                "--scheduler",
+                f"127.0.0.1:{layout.scheduler_port}",
+                "--registry",
+                registry,
+            ],
+            layout.gateway_port,
+            "canteen.v1.Inference",
+        )
+    )
     return children
 
 
@@ -98,8 +137,9 @@ async def wait_ready(port: int, service: str) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
-                async for msg in stub.Watch(health_pb2.HealthCheckRequest(service=service),
-                                            wait_for_ready=True):
+                async for msg in stub.Watch(
+                    health_pb2.HealthCheckRequest(service=service), wait_for_ready=True
+                ):
                     if msg.status == health_pb2.HealthCheckResponse.SERVING:
                         return
             except grpc.aio.AioRpcError:
@@ -120,23 +160,29 @@ class Launcher:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for child in self.children:
             # Own session: a terminal's Ctrl-C reaches only the launcher, which stops them in order.
-            child.process = await asyncio.create_subprocess_exec(*child.argv, env=env,
-                                                                 start_new_session=True)
+            child.process = await asyncio.create_subprocess_exec(
+                *child.argv, env=env, start_new_session=True
+            )
         exits = [asyncio.ensure_future(c.process.wait()) for c in self.children if c.process]
-        readiness = asyncio.ensure_future(asyncio.wait_for(
-            asyncio.gather(*(wait_ready(c.port, c.service) for c in self.children)),
-            ready_timeout))
+        readiness = asyncio.ensure_future(
+            asyncio.wait_for(
+                asyncio.gather(*(wait_ready(c.port, c.service) for c in self.children)),
+                ready_timeout,
+            )
+        )
         stop = asyncio.ensure_future(self._stop.wait())
-        done, _ = await asyncio.wait([readiness, stop, *exits],
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait([readiness, stop, *exits], return_when=asyncio.FIRST_COMPLETED)
         code = 0
         if readiness in done and readiness.exception() is None:
             self._print_endpoints()
             done, _ = await asyncio.wait([stop, *exits], return_when=asyncio.FIRST_COMPLETED)
         if stop not in done:
             code = 1
-            print("canteen: a service stopped or did not become ready; stopping the suite",
-                  file=sys.stderr, flush=True)
+            print(
+                "canteen: a service stopped or did not become ready; stopping the suite",
+                file=sys.stderr,
+                flush=True,
+            )
         readiness.cancel()
         await self._stop_all()
         return code
@@ -154,8 +200,11 @@ class Launcher:
         print("\n".join(lines), flush=True)
 
     async def _stop_all(self) -> None:
-        order = (["gateway", "scheduler"] + [c.name for c in self.children
-                                             if c.name.startswith("worker")] + ["registry"])
+        order = (
+            ["gateway", "scheduler"]
+            + [c.name for c in self.children if c.name.startswith("worker")]
+            + ["registry"]
+        )
         by_name = {c.name: c for c in self.children}
         for name in order:
             process = by_name[name].process

@@ -25,7 +25,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
-class _DrainInterceptor(grpc.aio.ServerInterceptor):
+class _DrainInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Counts in-flight work and refuses new work with UNAVAILABLE once draining."""
 
     def __init__(self, runtime: ServiceRuntime) -> None:
@@ -112,11 +112,11 @@ def _unavailable_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandle
     if handler is None:
         return handler
     if handler.response_streaming and handler.request_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)  # type: ignore[arg-type]
+        return grpc.stream_stream_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)  # type: ignore[arg-type]
+        return grpc.unary_stream_rpc_method_handler(refuse)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)  # type: ignore[arg-type]
+        return grpc.stream_unary_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(
         refuse,
         request_deserializer=handler.request_deserializer,
@@ -169,8 +169,11 @@ class ServiceRuntime:
         await self.health.set(self.service_name, status)
 
     async def start(self, reflected_services: Iterable[str]) -> int:
-        names = [*reflected_services, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME]
+        names = [
+            *reflected_services,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        ]
         reflection.enable_server_reflection(names, self.server)
         self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
@@ -180,9 +183,12 @@ class ServiceRuntime:
         await self.server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda s=sig: asyncio.ensure_future(self.drain(s.name)))
+            loop.add_signal_handler(sig, self._on_signal, sig)
         log.info("listening", address=self.address, port=self.port, service=self.service_name)
         return self.port
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._drain_task = asyncio.ensure_future(self.drain(sig.name))
 
     async def drain(self, reason: str = "requested") -> None:
         if self.is_draining:

@@ -41,8 +41,9 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-async def follow_scheduler(channel: grpc.aio.Channel, runtime: ServiceRuntime,
-                           preload: asyncio.Future[None]) -> None:
+async def follow_scheduler(
+    channel: grpc.aio.Channel, runtime: ServiceRuntime, preload: asyncio.Future[None]
+) -> None:
     """Readiness follows the scheduler's readiness (health Watch, reconnecting)."""
     stub = health_pb2_grpc.HealthStub(channel)
     delay = 0.2
@@ -67,10 +68,12 @@ async def serve(config: GatewayConfig) -> None:
     catalog = ModelCatalog(config.registry)
     tokenizers = TokenizerCache()
     channel = grpc.aio.insecure_channel(config.scheduler)
-    service = InferenceService(config, catalog, tokenizers,
-                               scheduler_pb2_grpc.SchedulerStub(channel))
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(service, keys),
-                                                        runtime.server)
+    service = InferenceService(
+        config, catalog, tokenizers, scheduler_pb2_grpc.SchedulerStub(channel)
+    )
+    inference_pb2_grpc.add_InferenceServicer_to_server(
+        InferenceServicer(service, keys), runtime.server
+    )
     await runtime.start([SERVICE_NAME])
     watcher = asyncio.create_task(catalog.watch_forever())
 
@@ -92,8 +95,9 @@ async def serve(config: GatewayConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(GatewayConfig, argv, prog="python -m gateway",
-                          description="Canteen gateway")
+    config = parse_config(
+        GatewayConfig, argv, prog="python -m gateway", description="Canteen gateway"
+    )
     configure_logging("gateway")
     try:
         asyncio.run(serve(config))

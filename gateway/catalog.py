@@ -31,8 +31,10 @@ class UnknownModelError(LookupError):
     pass
 
 
-_FORMATS = {registry_pb2.MODEL_FORMAT_GGUF: "gguf",
-            registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors"}
+_FORMATS = {
+    registry_pb2.MODEL_FORMAT_GGUF: "gguf",
+    registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors",
+}
 
 
 class ModelCatalog:
@@ -60,8 +62,13 @@ class ModelCatalog:
         latest: dict[str, ModelVersion] = {}
         versions: dict[str, ModelVersion] = {}
         for record in msg.models:  # ordered by name, then creation time
-            model = ModelVersion(record.name, record.version, _FORMATS.get(record.format, ""),
-                                 record.path, record.max_model_len)
+            model = ModelVersion(
+                record.name,
+                record.version,
+                _FORMATS.get(record.format, ""),
+                record.path,
+                record.max_model_len,
+            )
             latest[model.name] = model
             versions[model.ref] = model
         self._latest, self._versions = latest, versions

@@ -35,8 +35,11 @@ def input_from_pb(msg: inference_pb2.GenerateRequest, request_id: str) -> Genera
         request_id=request_id,
         model=msg.model,
         prompt=msg.prompt if which == "prompt" else None,
-        messages=([{"role": m.role, "content": m.content} for m in msg.messages.messages]
-                  if which == "messages" else None),
+        messages=(
+            [{"role": m.role, "content": m.content} for m in msg.messages.messages]
+            if which == "messages"
+            else None
+        ),
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -53,8 +56,11 @@ def _usage_to_pb(delta: TextDelta) -> common_pb2.Usage | None:
     if delta.usage is None:
         return None
     u = delta.usage
-    return common_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                            cached_tokens=u.cached_tokens)
+    return common_pb2.Usage(
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        cached_tokens=u.cached_tokens,
+    )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -73,8 +79,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         await context.send_initial_metadata((("x-request-id", request_id),))
         return request_id
 
-    async def _stream(self, request: inference_pb2.GenerateRequest,
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[TextDelta]:
+    async def _stream(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[TextDelta]:
         request_id = await self._begin(context)
         inp = input_from_pb(request, request_id)
         try:
@@ -87,20 +94,26 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except UpstreamError as exc:
             await context.abort(exc.code, str(exc))
 
-    async def Generate(self, request: inference_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         request_id = ""
         async for delta in self._stream(request, context):
             request_id = request_id or str(structlog.contextvars.get_contextvars()["request_id"])
             yield inference_pb2.GenerateResponse(
-                id=request_id, text=delta.text, token_ids=delta.token_ids, model=delta.model,
-                finish_reason=_FINISH_TO_PB.get(delta.finish_reason or "", 0),
+                id=request_id,
+                text=delta.text,
+                token_ids=delta.token_ids,
+                model=delta.model,
+                finish_reason=_FINISH_TO_PB.get(
+                    delta.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
+                ),
                 usage=_usage_to_pb(delta),
             )
 
-    async def Complete(self, request: inference_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> inference_pb2.CompleteResponse:
+    async def Complete(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CompleteResponse:
         response = inference_pb2.CompleteResponse()
         texts: list[str] = []
         async for delta in self._stream(request, context):
@@ -109,18 +122,24 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             response.model = delta.model
             if delta.finish_reason is not None:
                 response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
-                response.usage.CopyFrom(_usage_to_pb(delta))
+                usage = _usage_to_pb(delta)
+                if usage is not None:
+                    response.usage.CopyFrom(usage)
         response.text = "".join(texts)
         response.id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
         return response
 
-    async def ListModels(self, request: inference_pb2.ListModelsRequest,
-                         context: grpc.aio.ServicerContext) -> inference_pb2.ListModelsResponse:
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
         await self._begin(context)
         catalog = self._service.catalog
         return inference_pb2.ListModelsResponse(
-            models=[inference_pb2.ModelInfo(name=m.name, version=m.version,
-                                            max_model_len=m.max_model_len)
-                    for m in catalog.models()],
+            models=[
+                inference_pb2.ModelInfo(
+                    name=m.name, version=m.version, max_model_len=m.max_model_len
+                )
+                for m in catalog.models()
+            ],
             default_model=catalog.default_model,
         )

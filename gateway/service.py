@@ -76,8 +76,13 @@ _FINISH = {
 
 
 class InferenceService:
-    def __init__(self, config: GatewayConfig, catalog: ModelCatalog,
-                 tokenizers: TokenizerCache, scheduler: scheduler_pb2_grpc.SchedulerStub) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        catalog: ModelCatalog,
+        tokenizers: TokenizerCache,
+        scheduler: scheduler_pb2_grpc.SchedulerStub,
+    ) -> None:
         self.config = config
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -93,7 +98,8 @@ class InferenceService:
                 raise InvalidInputError("prompt must not be empty")
             if len(inp.prompt) > c.max_prompt_chars:
                 raise InvalidInputError(
-                    f"prompt has {len(inp.prompt)} characters; the limit is {c.max_prompt_chars}")
+                    f"prompt has {len(inp.prompt)} characters; the limit is {c.max_prompt_chars}"
+                )
         if inp.messages is not None:
             _check_messages(inp.messages, c.max_messages, c.max_prompt_chars)
         if inp.max_tokens is not None and inp.max_tokens < 1:
@@ -106,19 +112,24 @@ class InferenceService:
             raise InvalidInputError(f"top_k={inp.top_k}: must be >= 0")
         if len(inp.stop) > c.max_stop_strings:
             raise InvalidInputError(
-                f"stop has {len(inp.stop)} strings; the limit is {c.max_stop_strings}")
+                f"stop has {len(inp.stop)} strings; the limit is {c.max_stop_strings}"
+            )
         for text in inp.stop:
             if not text or len(text) > c.max_stop_length:
                 raise InvalidInputError(
-                    f"stop strings must have 1..{c.max_stop_length} characters, got {len(text)}")
+                    f"stop strings must have 1..{c.max_stop_length} characters, got {len(text)}"
+                )
 
     async def prepare(self, inp: GenerateInput) -> tuple[ModelVersion, Tokenizer, list[int]]:
         self.check_shape(inp)
         model = self.catalog.resolve(inp.model)
         tokenizer = await self.tokenizers.get(model)
         try:
-            ids = (tokenizer.encode(inp.prompt) if inp.prompt is not None
-                   else tokenizer.render_chat(inp.messages or []))
+            ids = (
+                tokenizer.encode(inp.prompt)
+                if inp.prompt is not None
+                else tokenizer.render_chat(inp.messages or [])
+            )
         except TemplateError as exc:
             raise InvalidInputError(str(exc)) from exc
         if not ids:
@@ -127,51 +138,68 @@ class InferenceService:
         if len(ids) >= limit:
             raise InvalidInputError(
                 f"prompt has {len(ids)} tokens; the model's context is {limit} tokens "
-                "(prompt plus at least one new token must fit)")
+                "(prompt plus at least one new token must fit)"
+            )
         if inp.max_tokens is not None and len(ids) + inp.max_tokens > limit:
             raise InvalidInputError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({inp.max_tokens}) exceeds the "
-                f"model's context of {limit} tokens")
+                f"model's context of {limit} tokens"
+            )
         for token in inp.stop_token_ids:
             if not 0 <= token < tokenizer.vocab_size:
                 raise InvalidInputError(
-                    f"stop_token_ids: {token} is outside the vocabulary of {tokenizer.vocab_size}")
+                    f"stop_token_ids: {token} is outside the vocabulary of {tokenizer.vocab_size}"
+                )
         return model, tokenizer, ids
 
-    async def generate(self, inp: GenerateInput, timeout: float | None
-                       ) -> AsyncIterator[TextDelta]:
+    async def generate(self, inp: GenerateInput, timeout: float | None) -> AsyncIterator[TextDelta]:
         model, tokenizer, ids = await self.prepare(inp)
         max_tokens = inp.max_tokens or model.max_model_len - len(ids)
         request = scheduler_pb2.ScheduleRequest(
-            request_id=inp.request_id, model=model.name, version=model.version,
-            prompt_token_ids=ids, max_tokens=max_tokens,
+            request_id=inp.request_id,
+            model=model.name,
+            version=model.version,
+            prompt_token_ids=ids,
+            max_tokens=max_tokens,
             sampling=common_pb2.SamplingParams(
-                temperature=inp.temperature, top_p=inp.top_p, top_k=inp.top_k,
-                seed=inp.seed if inp.seed is not None else random.getrandbits(63)),
-            stop_token_ids=inp.stop_token_ids, ignore_eos=inp.ignore_eos,
+                temperature=inp.temperature,
+                top_p=inp.top_p,
+                top_k=inp.top_k,
+                seed=inp.seed if inp.seed is not None else random.getrandbits(63),
+            ),
+            stop_token_ids=inp.stop_token_ids,
+            ignore_eos=inp.ignore_eos,
             priority=inp.priority,
         )
-        log.info("request accepted", model=model.ref, num_prompt_tokens=len(ids),
-                 max_tokens=max_tokens)
+        log.info(
+            "request accepted", model=model.ref, num_prompt_tokens=len(ids), max_tokens=max_tokens
+        )
         detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(inp.stop)
         num_tokens = 0
-        call = self.scheduler.Generate(request, timeout=timeout,
-                                       metadata=(("x-request-id", inp.request_id),))
+        call = self.scheduler.Generate(
+            request, timeout=timeout, metadata=(("x-request-id", inp.request_id),)
+        )
         try:
             async for msg in call:
                 num_tokens += len(msg.token_ids)
                 text = stops.push(detok.push(list(msg.token_ids)))
                 if stops.is_stopped:
-                    yield TextDelta(text, list(msg.token_ids), model.ref, "stop",
-                                    Usage(len(ids), num_tokens, 0))
+                    yield TextDelta(
+                        text, list(msg.token_ids), model.ref, "stop", Usage(len(ids), num_tokens, 0)
+                    )
                     return
                 if msg.finish_reason:
                     text += stops.push(detok.flush())
                     text += stops.flush()
                     reason = "stop" if stops.is_stopped else _FINISH[msg.finish_reason]
                     u = msg.usage
-                    yield TextDelta(text, list(msg.token_ids), model.ref, reason,
-                                    Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+                    yield TextDelta(
+                        text,
+                        list(msg.token_ids),
+                        model.ref,
+                        reason,
+                        Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens),
+                    )
                     return
                 if text or msg.token_ids:
                     yield TextDelta(text, list(msg.token_ids), model.ref)
@@ -185,12 +213,15 @@ def _check_messages(messages: list[dict[str, str]], max_messages: int, max_chars
     if not messages:
         raise InvalidInputError("messages must not be empty")
     if len(messages) > max_messages:
-        raise InvalidInputError(f"messages has {len(messages)} entries; the limit is {max_messages}")
+        raise InvalidInputError(
+            f"messages has {len(messages)} entries; the limit is {max_messages}"
+        )
     total = 0
     for i, message in enumerate(messages):
         if message.get("role") not in ROLES:
             raise InvalidInputError(
-                f"messages[{i}].role={message.get('role')!r}: must be one of {', '.join(ROLES)}")
+                f"messages[{i}].role={message.get('role')!r}: must be one of {', '.join(ROLES)}"
+            )
         total += len(message.get("content", ""))
     if total > max_chars:
         raise InvalidInputError(f"messages have {total} characters; the limit is {max_chars}")

@@ -32,11 +32,11 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self._read == len(self._ids):
             return ""
-        before = self._tok.decode(self._ids[self._prefix:self._read], skip_special_tokens=True)
-        after = self._tok.decode(self._ids[self._prefix:], skip_special_tokens=True)
+        before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        after = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
         if not final and (after.endswith("\ufffd") or len(after) <= len(before)):
             return ""
-        delta = after[len(before):]
+        delta = after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
         return delta
 

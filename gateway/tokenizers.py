@@ -28,8 +28,7 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise TemplateError("this model has no chat template; send a prompt instead")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False,
-                                               add_generation_prompt=True)
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja raises its own exceptions for bad conversations
             raise TemplateError(f"messages: the chat template rejected them: {exc}") from exc
         return self.encode(str(text))

@@ -19,15 +19,17 @@ SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 
 
 async def serve(config: RegistryConfig) -> None:
-    registry = Registry(ModelStore(config.db), WorkerDirectory(config.lease_ttl),
-                        config.default_model)
+    registry = Registry(
+        ModelStore(config.db), WorkerDirectory(config.lease_ttl), config.default_model
+    )
     if config.register_default:
         await registry.register_default_model()
     for spec in filter(None, config.add_model.split(",")):
         await registry.add_from_spec(spec.strip())
     watches = tuple(f"/{SERVICE_NAME}/{m}" for m in ("WatchModels", "WatchWorkers"))
-    runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace,
-                             untracked=watches)
+    runtime = ServiceRuntime(
+        SERVICE_NAME, f"{config.host}:{config.port}", config.grace, untracked=watches
+    )
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), runtime.server)
     await runtime.start([SERVICE_NAME])
     expiry = asyncio.create_task(registry.directory.expire_forever())
@@ -38,8 +40,9 @@ async def serve(config: RegistryConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(RegistryConfig, argv, prog="python -m registry",
-                          description="Canteen model registry")
+    config = parse_config(
+        RegistryConfig, argv, prog="python -m registry", description="Canteen model registry"
+    )
     configure_logging("registry")
     try:
         asyncio.run(serve(config))

@@ -15,6 +15,7 @@ from canteen.models import (
     read_max_model_len,
     weights_sha256,
 )
+from registry.changes import Changes
 from registry.directory import WorkerDirectory
 from registry.store import ModelRecord, ModelStore
 
@@ -30,8 +31,7 @@ class Registry:
         self.store = store
         self.directory = directory
         self.default_model = default_model
-        self._changed = asyncio.Condition()
-        self._version = 0
+        self._changes = Changes()
 
     async def add_model(self, record: ModelRecord) -> ModelRecord:
         """Validates a record, fills in its checksum and context length, and stores it."""
@@ -52,9 +52,7 @@ class Registry:
             ModelRecord(record.name, record.version, fmt, str(path), sha256, max_len)
         )
         log.info("model added", model=stored.name, version=stored.version, path=stored.path)
-        async with self._changed:
-            self._version += 1
-            self._changed.notify_all()
+        await self._changes.bump()
         return stored
 
     async def register_default_model(self) -> None:
@@ -82,7 +80,5 @@ class Registry:
     async def watch_models(self) -> AsyncIterator[list[ModelRecord]]:
         seen = -1
         while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self._version != seen)
-                seen = self._version
+            seen = await self._changes.newer_than(seen)
             yield self.store.list()

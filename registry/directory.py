@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from canteen.logging import get_logger
+from registry.changes import Changes
 
 log = get_logger(__name__)
 
@@ -31,8 +32,7 @@ class WorkerDirectory:
         self.ttl_seconds = ttl_seconds
         self._workers: dict[str, WorkerEntry] = {}
         self._expires: dict[str, float] = {}
-        self._changed = asyncio.Condition()
-        self._version = 0
+        self._changes = Changes()
 
     def snapshot(self) -> list[WorkerEntry]:
         return sorted(self._workers.values(), key=lambda w: w.worker_id)
@@ -40,8 +40,13 @@ class WorkerDirectory:
     async def register(self, entry: WorkerEntry) -> None:
         self._workers[entry.worker_id] = entry
         self._expires[entry.worker_id] = time.monotonic() + self.ttl_seconds
-        log.info("worker registered", worker_id=entry.worker_id, address=entry.address,
-                 model=entry.model, version=entry.version)
+        log.info(
+            "worker registered",
+            worker_id=entry.worker_id,
+            address=entry.address,
+            model=entry.model,
+            version=entry.version,
+        )
         await self._notify()
 
     async def heartbeat(self, worker_id: str) -> None:
@@ -67,12 +72,8 @@ class WorkerDirectory:
         """Yields the directory now and after every change."""
         seen = -1
         while True:
-            async with self._changed:
-                await self._changed.wait_for(lambda: self._version != seen)
-                seen = self._version
+            seen = await self._changes.newer_than(seen)
             yield self.snapshot()
 
     async def _notify(self) -> None:
-        async with self._changed:
-            self._version += 1
-            self._changed.notify_all()
+        await self._changes.bump()

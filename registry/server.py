@@ -18,15 +18,20 @@ _FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
 
 def record_to_pb(record: ModelRecord) -> pb.ModelRecord:
     return pb.ModelRecord(
-        name=record.name, version=record.version, format=_FORMATS[record.format],
-        path=record.path, sha256=record.sha256, max_model_len=record.max_model_len,
+        name=record.name,
+        version=record.version,
+        format=_FORMATS[record.format],
+        path=record.path,
+        sha256=record.sha256,
+        max_model_len=record.max_model_len,
         created_unix=record.created_unix,
     )
 
 
 def _entry_to_pb(entry: WorkerEntry) -> pb.WorkerEntry:
-    return pb.WorkerEntry(worker_id=entry.worker_id, address=entry.address,
-                          model=entry.model, version=entry.version)
+    return pb.WorkerEntry(
+        worker_id=entry.worker_id, address=entry.address, model=entry.model, version=entry.version
+    )
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
@@ -38,11 +43,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             models=[record_to_pb(r) for r in records], default_model=self._registry.default_model
         )
 
-    async def AddModel(self, request: pb.AddModelRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.ModelRecord:
+    async def AddModel(
+        self, request: pb.AddModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelRecord:
         m = request.model
-        record = ModelRecord(m.name, m.version, _FORMAT_NAMES.get(m.format, ""), m.path,
-                             m.sha256, m.max_model_len)
+        record = ModelRecord(
+            m.name, m.version, _FORMAT_NAMES.get(m.format, ""), m.path, m.sha256, m.max_model_len
+        )
         try:
             return record_to_pb(await self._registry.add_model(record))
         except InvalidModelError as exc:
@@ -51,50 +58,59 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         raise AssertionError("unreachable")
 
-    async def GetModel(self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext
-                       ) -> pb.ModelRecord:
+    async def GetModel(
+        self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelRecord:
         try:
             return record_to_pb(self._registry.store.get(request.name, request.version))
         except ModelNotFoundError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         raise AssertionError("unreachable")
 
-    async def ListModels(self, request: pb.ListModelsRegistryRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ListModelsRegistryResponse:
+    async def ListModels(
+        self, request: pb.ListModelsRegistryRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsRegistryResponse:
         return self._model_list(self._registry.store.list())
 
-    async def WatchModels(self, request: pb.WatchModelsRequest,
-                          context: grpc.aio.ServicerContext
-                          ) -> AsyncIterator[pb.ListModelsRegistryResponse]:
+    async def WatchModels(
+        self, request: pb.WatchModelsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ListModelsRegistryResponse]:
         async for records in self._registry.watch_models():
             yield self._model_list(records)
 
-    async def RegisterWorker(self, request: pb.RegisterWorkerRequest,
-                             context: grpc.aio.ServicerContext) -> pb.Lease:
+    async def RegisterWorker(
+        self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Lease:
         if not request.worker_id or not request.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "worker_id and address are required")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required"
+            )
         await self._registry.directory.register(
             WorkerEntry(request.worker_id, request.address, request.model, request.version)
         )
-        return pb.Lease(worker_id=request.worker_id,
-                        ttl_seconds=self._registry.directory.ttl_seconds)
+        return pb.Lease(
+            worker_id=request.worker_id, ttl_seconds=self._registry.directory.ttl_seconds
+        )
 
-    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
-                        ) -> pb.Lease:
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Lease:
         try:
             await self._registry.directory.heartbeat(request.worker_id)
         except UnknownLeaseError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return pb.Lease(worker_id=request.worker_id,
-                        ttl_seconds=self._registry.directory.ttl_seconds)
+        return pb.Lease(
+            worker_id=request.worker_id, ttl_seconds=self._registry.directory.ttl_seconds
+        )
 
-    async def DeregisterWorker(self, request: pb.DeregisterWorkerRequest,
-                               context: grpc.aio.ServicerContext) -> pb.DeregisterWorkerResponse:
+    async def DeregisterWorker(
+        self, request: pb.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeregisterWorkerResponse:
         await self._registry.directory.deregister(request.worker_id)
         return pb.DeregisterWorkerResponse()
 
-    async def WatchWorkers(self, request: pb.WatchWorkersRequest,
-                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WorkerList]:
+    async def WatchWorkers(
+        self, request: pb.WatchWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WorkerList]:
         async for workers in self._registry.directory.watch():
             yield pb.WorkerList(workers=[_entry_to_pb(w) for w in workers])

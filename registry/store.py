@@ -61,8 +61,15 @@ class ModelStore:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.execute(
                     "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (record.name, record.version, record.format, record.path, record.sha256,
-                     record.max_model_len, created),
+                    (
+                        record.name,
+                        record.version,
+                        record.format,
+                        record.path,
+                        record.sha256,
+                        record.max_model_len,
+                        created,
+                    ),
                 )
         except sqlite3.IntegrityError as exc:
             raise ModelExistsError(
@@ -77,7 +84,8 @@ class ModelStore:
             ).fetchone()
         else:
             row = self._db.execute(
-                "SELECT * FROM models WHERE name = ? ORDER BY created_unix DESC, rowid DESC LIMIT 1",
+                "SELECT * FROM models WHERE name = ? "
+                "ORDER BY created_unix DESC, rowid DESC LIMIT 1",
                 (name,),
             ).fetchone()
         if row is None:

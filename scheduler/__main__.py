@@ -29,8 +29,9 @@ async def serve(config: SchedulerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(SchedulerConfig, argv, prog="python -m scheduler",
-                          description="Canteen scheduler")
+    config = parse_config(
+        SchedulerConfig, argv, prog="python -m scheduler", description="Canteen scheduler"
+    )
     configure_logging("scheduler")
     asyncio.run(serve(config))
     sys.exit(0)

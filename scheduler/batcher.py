@@ -152,8 +152,9 @@ class BatchScheduler:
 
     def _admit(self, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = max(self.waiting, key=lambda s: (s.priority, s.num_preemptions > 0,
-                                                    -s.arrival_time))
+            seq = max(
+                self.waiting, key=lambda s: (s.priority, s.num_preemptions > 0, -s.arrival_time)
+            )
             n = min(seq.num_uncomputed, budget)
             need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_ids)
             if self.pool.num_free < need + self.limits.watermark_blocks:
@@ -210,16 +211,24 @@ class BatchScheduler:
             seq.is_on_worker = False
         seq.status, seq.finish = Status.FINISHED, finish
 
-    def _to_plan(self, step_id: int, chosen: list[tuple[Sequence, int]],
-                 drops: tuple[str, ...]) -> StepPlan:
+    def _to_plan(
+        self, step_id: int, chosen: list[tuple[Sequence, int]], drops: tuple[str, ...]
+    ) -> StepPlan:
         new: list[NewSequence] = []
         scheduled: list[ScheduledSequence] = []
         for seq, n in chosen:
             if seq.is_on_worker:
-                fresh = tuple(seq.block_ids[seq.num_sent_blocks:])
+                fresh = tuple(seq.block_ids[seq.num_sent_blocks :])
             else:
-                new.append(NewSequence(seq.request_id, tuple(seq.tokens), seq.sampling,
-                                       tuple(seq.block_ids), seq.num_computed))
+                new.append(
+                    NewSequence(
+                        seq.request_id,
+                        tuple(seq.tokens),
+                        seq.sampling,
+                        tuple(seq.block_ids),
+                        seq.num_computed,
+                    )
+                )
                 seq.is_on_worker, fresh = True, ()
             seq.num_sent_blocks = len(seq.block_ids)
             scheduled.append(ScheduledSequence(seq.request_id, n, fresh))

@@ -14,7 +14,9 @@ class SchedulerConfig:
     host: str = option("127.0.0.1", "interface to bind")
     port: int = option(50052, "gRPC port")
     registry: str = option("127.0.0.1:50053", "registry address")
-    max_queue: int = option(1024, "most requests waiting across workers; more get RESOURCE_EXHAUSTED")
+    max_queue: int = option(
+        1024, "most requests waiting across workers; more get RESOURCE_EXHAUSTED"
+    )
     max_num_seqs: int = option(256, "most sequences in one worker's running batch")
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
 

@@ -37,21 +37,26 @@ class WorkerDescription:
 
 def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
     return WorkerDescription(
-        worker_id=info.worker_id, address=address, model=info.model, version=info.version,
-        num_blocks=info.num_blocks, block_size=info.block_size,
-        max_model_len=info.max_model_len, eos_token_ids=frozenset(info.eos_token_ids),
+        worker_id=info.worker_id,
+        address=address,
+        model=info.model,
+        version=info.version,
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        max_model_len=info.max_model_len,
+        eos_token_ids=frozenset(info.eos_token_ids),
         max_batched_tokens=info.max_batched_tokens,
     )
 
 
 class WorkerLink:
-    def __init__(self, desc: WorkerDescription, channel: grpc.aio.Channel,
-                 max_num_seqs: int) -> None:
+    def __init__(
+        self, desc: WorkerDescription, channel: grpc.aio.Channel, max_num_seqs: int
+    ) -> None:
         self.desc = desc
         self._channel = channel
         self._stub = worker_pb2_grpc.WorkerStub(channel)
-        limits = BatchLimits(max_batched_tokens=desc.max_batched_tokens,
-                             max_num_seqs=max_num_seqs)
+        limits = BatchLimits(max_batched_tokens=desc.max_batched_tokens, max_num_seqs=max_num_seqs)
         self.core = BatchScheduler(BlockPool(desc.num_blocks, desc.block_size), limits)
         self._queues: dict[str, asyncio.Queue[SeqEvent]] = {}
         self._wake = asyncio.Event()
@@ -85,8 +90,10 @@ class WorkerLink:
         try:
             await self._loop(call)
         except grpc.aio.AioRpcError as exc:
-            self._fail(f"worker {self.desc.worker_id} at {self.desc.address} failed: "
-                       f"{exc.code().name} {exc.details()}")
+            self._fail(
+                f"worker {self.desc.worker_id} at {self.desc.address} failed: "
+                f"{exc.code().name} {exc.details()}"
+            )
         except Exception as exc:
             log.exception("worker link crashed", worker_id=self.desc.worker_id)
             self._fail(f"worker {self.desc.worker_id} link failed: {exc}")
@@ -110,8 +117,12 @@ class WorkerLink:
             await call.write(plan_to_pb(plan))
             msg = await call.read()
             if msg is grpc.aio.EOF:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                           grpc.aio.Metadata(), "worker closed its stream")
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.aio.Metadata(),
+                    grpc.aio.Metadata(),
+                    "worker closed its stream",
+                )
             for event in self.core.update(result_from_pb(msg)):
                 queue = self._queues.get(event.seq.request_id)
                 if queue is not None:

@@ -20,8 +20,12 @@ log = get_logger(__name__)
 
 
 class WorkerPool:
-    def __init__(self, registry_address: str, max_num_seqs: int,
-                 on_ready_change: Callable[[bool], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        registry_address: str,
+        max_num_seqs: int,
+        on_ready_change: Callable[[bool], Awaitable[None]],
+    ) -> None:
         self._registry_address = registry_address
         self._max_num_seqs = max_num_seqs
         self._on_ready_change = on_ready_change
@@ -32,8 +36,10 @@ class WorkerPool:
 
     def pick(self, model: str, version: str) -> WorkerLink | None:
         candidates = [
-            link for link in self.links.values()
-            if link.is_ready and link.desc.model == model
+            link
+            for link in self.links.values()
+            if link.is_ready
+            and link.desc.model == model
             and (not version or link.desc.version == version)
         ]
         if not candidates:
@@ -77,7 +83,8 @@ class WorkerPool:
         channel = grpc.aio.insecure_channel(entry.address)
         try:
             info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(
-                worker_pb2.GetInfoRequest(), timeout=10, wait_for_ready=True)
+                worker_pb2.GetInfoRequest(), timeout=10, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("worker unreachable", worker_id=entry.worker_id, code=exc.code().name)
             await channel.close()
@@ -86,8 +93,14 @@ class WorkerPool:
             self._connecting.discard(entry.worker_id)
         link = WorkerLink(describe(info, entry.address), channel, self._max_num_seqs)
         self.links[entry.worker_id] = link
-        log.info("worker connected", worker_id=entry.worker_id, address=entry.address,
-                 model=info.model, version=info.version, num_blocks=info.num_blocks)
+        log.info(
+            "worker connected",
+            worker_id=entry.worker_id,
+            address=entry.address,
+            model=info.model,
+            version=info.version,
+            num_blocks=info.num_blocks,
+        )
         await self._readiness_changed()
         await link.run()
         self.links.pop(entry.worker_id, None)

@@ -35,10 +35,14 @@ _ERRORS = {
 def params_from_pb(msg: scheduler_pb2.ScheduleRequest) -> GenerateParams:
     s = msg.sampling
     return GenerateParams(
-        request_id=msg.request_id, model=msg.model, version=msg.version,
-        prompt_ids=list(msg.prompt_token_ids), max_tokens=msg.max_tokens,
+        request_id=msg.request_id,
+        model=msg.model,
+        version=msg.version,
+        prompt_ids=list(msg.prompt_token_ids),
+        max_tokens=msg.max_tokens,
         sampling=Sampling(s.temperature, s.top_p, s.top_k, s.seed),
-        stop_token_ids=frozenset(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        stop_token_ids=frozenset(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
         priority=msg.priority,
     )
 
@@ -47,9 +51,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, service: SchedulerService) -> None:
         self._service = service
 
-    async def Generate(self, request: scheduler_pb2.ScheduleRequest,
-                       context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
+    async def Generate(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         params = params_from_pb(request)
         is_first = True
@@ -57,32 +61,43 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             async for event in self._service.generate(params):
                 seq = event.seq
                 response = scheduler_pb2.ScheduleResponse(
-                    token_ids=event.token_ids, logprobs=event.logprobs)
+                    token_ids=event.token_ids, logprobs=event.logprobs
+                )
                 if is_first and seq.first_scheduled_time is not None:
                     response.queue_seconds = seq.first_scheduled_time - seq.arrival_time
                     is_first = False
                 if event.finish is not None:
                     response.finish_reason = FINISH_TO_PB[event.finish]
-                    response.usage.CopyFrom(common_pb2.Usage(
-                        prompt_tokens=len(seq.prompt_ids),
-                        completion_tokens=len(seq.output_ids),
-                        cached_tokens=seq.num_cached_tokens))
+                    response.usage.CopyFrom(
+                        common_pb2.Usage(
+                            prompt_tokens=len(seq.prompt_ids),
+                            completion_tokens=len(seq.output_ids),
+                            cached_tokens=seq.num_cached_tokens,
+                        )
+                    )
                 yield response
         except tuple(_ERRORS) as exc:
             await context.abort(_ERRORS[type(exc)], str(exc))
 
-    async def GetStats(self, request: scheduler_pb2.GetStatsRequest,
-                       context: grpc.aio.ServicerContext) -> scheduler_pb2.GetStatsResponse:
+    async def GetStats(
+        self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetStatsResponse:
         workers = []
         for link in self._service.pool.links.values():
             core, d = link.core, link.desc
-            workers.append(scheduler_pb2.WorkerStats(
-                worker_id=d.worker_id, address=d.address, model=d.model, version=d.version,
-                num_total_blocks=core.pool.num_blocks, num_free_blocks=core.pool.num_free,
-                num_running=len(core.running), num_waiting=len(core.waiting),
-                num_steps=core.num_steps, is_ready=link.is_ready,
-                num_preemptions=core.num_preemptions,
-            ))
+            workers.append(
+                scheduler_pb2.WorkerStats(
+                    worker_id=d.worker_id,
+                    address=d.address,
+                    model=d.model,
+                    version=d.version,
+                    num_total_blocks=core.pool.num_blocks,
+                    num_free_blocks=core.pool.num_free,
+                    num_running=len(core.running),
+                    num_waiting=len(core.waiting),
+                    num_steps=core.num_steps,
+                    is_ready=link.is_ready,
+                    num_preemptions=core.num_preemptions,
+                )
+            )
         return scheduler_pb2.GetStatsResponse(workers=workers)
-
-

@@ -67,19 +67,29 @@ class SchedulerService:
                 f"{link.core.pool.blocks_for(total)} KV blocks; the worker has {desc.num_blocks}"
             )
         if self.pool.num_waiting >= self.max_queue:
-            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_queue} requests); retry later"
+            )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= desc.eos_token_ids
         seq = Sequence(
-            request_id=params.request_id, prompt_ids=list(params.prompt_ids),
-            max_tokens=params.max_tokens, sampling=params.sampling,
-            stop_token_ids=frozenset(stop_ids), priority=params.priority,
+            request_id=params.request_id,
+            prompt_ids=list(params.prompt_ids),
+            max_tokens=params.max_tokens,
+            sampling=params.sampling,
+            stop_token_ids=frozenset(stop_ids),
+            priority=params.priority,
             max_model_len=desc.max_model_len,
         )
         queue = link.submit(seq)
-        log.info("request queued", request_id=params.request_id, worker_id=desc.worker_id,
-                 num_prompt_tokens=len(params.prompt_ids), max_tokens=params.max_tokens)
+        log.info(
+            "request queued",
+            request_id=params.request_id,
+            worker_id=desc.worker_id,
+            num_prompt_tokens=len(params.prompt_ids),
+            max_tokens=params.max_tokens,
+        )
         try:
             while True:
                 event = await queue.get()
@@ -87,14 +97,21 @@ class SchedulerService:
                     raise WorkerFailedError(seq.error)
                 yield event
                 if event.finish is not None:
-                    log.info("request finished", request_id=params.request_id,
-                             finish=event.finish.value, num_output_tokens=len(seq.output_ids))
+                    log.info(
+                        "request finished",
+                        request_id=params.request_id,
+                        finish=event.finish.value,
+                        num_output_tokens=len(seq.output_ids),
+                    )
                     return
         finally:
             if not seq.is_finished:
                 link.cancel(seq)
-                log.info("request cancelled", request_id=params.request_id,
-                         num_output_tokens=len(seq.output_ids))
+                log.info(
+                    "request cancelled",
+                    request_id=params.request_id,
+                    num_output_tokens=len(seq.output_ids),
+                )
 
 
 def _validate_shape(params: GenerateParams) -> None:

@@ -2,27 +2,36 @@
 
 from __future__ import annotations
 
-from canteen.plan import Sampling, SampledToken, StepPlan, StepResult
+from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
 from canteen.v1 import common_pb2, worker_pb2
 
 
 def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                     top_k=sampling.top_k, seed=sampling.seed)
+    return common_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed,
+    )
 
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
     return worker_pb2.StepPlan(
         step_id=plan.step_id,
         new_sequences=[
-            worker_pb2.NewSequence(seq_id=n.seq_id, token_ids=n.token_ids,
-                                   sampling=sampling_to_pb(n.sampling), block_ids=n.block_ids,
-                                   num_cached_tokens=n.num_cached_tokens)
+            worker_pb2.NewSequence(
+                seq_id=n.seq_id,
+                token_ids=n.token_ids,
+                sampling=sampling_to_pb(n.sampling),
+                block_ids=n.block_ids,
+                num_cached_tokens=n.num_cached_tokens,
+            )
             for n in plan.new_sequences
         ],
         scheduled=[
-            worker_pb2.ScheduledSequence(seq_id=s.seq_id, num_tokens=s.num_tokens,
-                                         new_block_ids=s.new_block_ids)
+            worker_pb2.ScheduledSequence(
+                seq_id=s.seq_id, num_tokens=s.num_tokens, new_block_ids=s.new_block_ids
+            )
             for s in plan.scheduled
         ],
         dropped_seq_ids=plan.dropped_seq_ids,

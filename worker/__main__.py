@@ -22,17 +22,23 @@ from worker.server import WorkerIdentity, WorkerServicer
 
 log = get_logger("worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-_FORMATS = {registry_pb2.MODEL_FORMAT_GGUF: "gguf", registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors"}
+_FORMATS = {
+    registry_pb2.MODEL_FORMAT_GGUF: "gguf",
+    registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors",
+}
 
 
-async def fetch_record(registry: registry_pb2_grpc.RegistryStub, model: str
-                       ) -> registry_pb2.ModelRecord:
+async def fetch_record(
+    registry: registry_pb2_grpc.RegistryStub, model: str
+) -> registry_pb2.ModelRecord:
     name, _, version = model.partition(":")
     delay = 0.2
     while True:
         try:
-            return await registry.GetModel(registry_pb2.GetModelRequest(name=name, version=version),
-                                           timeout=5)
+            record: registry_pb2.ModelRecord = await registry.GetModel(
+                registry_pb2.GetModelRequest(name=name, version=version), timeout=5
+            )
+            return record
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
                 raise ModelLoadError(exc.details()) from exc
@@ -51,8 +57,9 @@ def warm_up(runner: ModelRunner) -> None:
     runner.step(StepPlan(0, dropped_seq_ids=("warm-up",)))
 
 
-async def keep_lease(registry: registry_pb2_grpc.RegistryStub,
-                     request: registry_pb2.RegisterWorkerRequest) -> None:
+async def keep_lease(
+    registry: registry_pb2_grpc.RegistryStub, request: registry_pb2.RegisterWorkerRequest
+) -> None:
     """Registers, then heartbeats; re-registers when the registry forgot the lease."""
     registered = False
     ttl = 10.0
@@ -64,7 +71,8 @@ async def keep_lease(registry: registry_pb2_grpc.RegistryStub,
                 log.info("registered", registry_ttl=lease.ttl_seconds)
             else:
                 lease = await registry.Heartbeat(
-                    registry_pb2.HeartbeatRequest(worker_id=request.worker_id), timeout=5)
+                    registry_pb2.HeartbeatRequest(worker_id=request.worker_id), timeout=5
+                )
             ttl = lease.ttl_seconds
         except grpc.aio.AioRpcError as exc:
             registered = registered and exc.code() != grpc.StatusCode.NOT_FOUND
@@ -81,17 +89,28 @@ async def serve(config: WorkerConfig) -> None:
     registry = registry_pb2_grpc.RegistryStub(channel)
     device = pick_device(config.device)
     record = await fetch_record(registry, config.model)
-    identity = WorkerIdentity(worker_id, record.name, record.version, str(device),
-                              config.max_batched_tokens)
+    identity = WorkerIdentity(
+        worker_id, record.name, record.version, str(device), config.max_batched_tokens
+    )
     servicer = WorkerServicer(identity)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
     port = await runtime.start([SERVICE_NAME])
 
-    log.info("loading model", model=record.name, version=record.version, path=record.path,
-             device=str(device))
+    log.info(
+        "loading model",
+        model=record.name,
+        version=record.version,
+        path=record.path,
+        device=str(device),
+    )
     loaded = await asyncio.to_thread(
-        load_model, record.path, _FORMATS.get(record.format, ""), record.sha256, device,
-        pick_dtype(config.dtype, device), config.verify_checksum,
+        load_model,
+        record.path,
+        _FORMATS.get(record.format, ""),
+        record.sha256,
+        device,
+        pick_dtype(config.dtype, device),
+        config.verify_checksum,
     )
     per_block = kv_bytes_per_block(loaded, config.block_size)
     num_blocks = config.num_kv_blocks or max(config.kv_cache_bytes // per_block, 1)
@@ -100,20 +119,34 @@ async def serve(config: WorkerConfig) -> None:
     servicer.runner, servicer.bytes_per_block = runner, per_block
     servicer.eos_token_ids = loaded.eos_token_ids
     servicer.max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
-    log.info("ready", num_blocks=num_blocks, block_size=config.block_size,
-             bytes_per_block=per_block, eos_token_ids=list(loaded.eos_token_ids))
+    log.info(
+        "ready",
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        bytes_per_block=per_block,
+        eos_token_ids=list(loaded.eos_token_ids),
+    )
     await runtime.set_ready(True)
 
     host = config.advertise_host or config.host
-    lease = asyncio.create_task(keep_lease(registry, registry_pb2.RegisterWorkerRequest(
-        worker_id=worker_id, address=f"{host}:{port}", model=record.name,
-        version=record.version)))
+    lease = asyncio.create_task(
+        keep_lease(
+            registry,
+            registry_pb2.RegisterWorkerRequest(
+                worker_id=worker_id,
+                address=f"{host}:{port}",
+                model=record.name,
+                version=record.version,
+            ),
+        )
+    )
 
     async def drain() -> None:
         lease.cancel()
         try:
             await registry.DeregisterWorker(
-                registry_pb2.DeregisterWorkerRequest(worker_id=worker_id), timeout=2)
+                registry_pb2.DeregisterWorkerRequest(worker_id=worker_id), timeout=2
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("deregister failed", code=exc.code().name)
         # The scheduler stops admitting here and lets running sequences finish.
@@ -128,8 +161,9 @@ async def serve(config: WorkerConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_config(WorkerConfig, argv, prog="python -m worker",
-                          description="Canteen model worker")
+    config = parse_config(
+        WorkerConfig, argv, prog="python -m worker", description="Canteen model worker"
+    )
     configure_logging("worker")
     try:
         asyncio.run(serve(config))

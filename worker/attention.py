@@ -64,8 +64,12 @@ def paged_attention(
     kv_heads, head_dim = k_pool.shape[2], k_pool.shape[3]
     new_k = key[0].transpose(0, 1)  # [T, kv_heads, D]
     new_v = value[0].transpose(0, 1)
-    k_pool.view(num_blocks_x_size, kv_heads, head_dim).index_copy_(0, paged_batch.slot_mapping, new_k)
-    v_pool.view(num_blocks_x_size, kv_heads, head_dim).index_copy_(0, paged_batch.slot_mapping, new_v)
+    k_pool.view(num_blocks_x_size, kv_heads, head_dim).index_copy_(
+        0, paged_batch.slot_mapping, new_k
+    )
+    v_pool.view(num_blocks_x_size, kv_heads, head_dim).index_copy_(
+        0, paged_batch.slot_mapping, new_v
+    )
 
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
     if paged_batch.decode_index is not None:
@@ -82,8 +86,14 @@ def _gather(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     return blocks.view(b, nb * bs, kvh, d).transpose(1, 2)
 
 
-def _attend_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   batch: PagedBatch, scaling: float | None, out: torch.Tensor) -> None:
+def _attend_decode(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    batch: PagedBatch,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
     assert batch.decode_index is not None and batch.decode_block_tables is not None
     q = query[0][:, batch.decode_index].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
     k = _gather(k_pool, batch.decode_block_tables)
@@ -94,25 +104,34 @@ def _attend_decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     out[batch.decode_index] = attn.squeeze(2)
 
 
-def _attend_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                    k_pool: torch.Tensor, v_pool: torch.Tensor, span: PrefillSpan,
-                    scaling: float | None, out: torch.Tensor) -> None:
+def _attend_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    span: PrefillSpan,
+    scaling: float | None,
+    out: torch.Tensor,
+) -> None:
     end = span.start + span.q_len
-    q = query[:, :, span.start:end]  # [1, H, q, D]
+    q = query[:, :, span.start : end]  # [1, H, q, D]
     if span.ctx_len == span.q_len:
         # Nothing cached before this chunk: attend over the fresh keys, plain causal.
-        k, v = key[:, :, span.start:end], value[:, :, span.start:end]
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                              enable_gqa=True)
+        k, v = key[:, :, span.start : end], value[:, :, span.start : end]
+        attn = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scaling, enable_gqa=True
+        )
     else:
-        k = _gather(k_pool, span.block_ids.unsqueeze(0))[:, :, :span.ctx_len]
-        v = _gather(v_pool, span.block_ids.unsqueeze(0))[:, :, :span.ctx_len]
+        k = _gather(k_pool, span.block_ids.unsqueeze(0))[:, :, : span.ctx_len]
+        v = _gather(v_pool, span.block_ids.unsqueeze(0))[:, :, : span.ctx_len]
         offset = span.ctx_len - span.q_len
         rows = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset
         cols = torch.arange(span.ctx_len, device=q.device).unsqueeze(0)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=cols <= rows, scale=scaling,
-                                              enable_gqa=True)
-    out[span.start:end] = attn[0].transpose(0, 1)
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=cols <= rows, scale=scaling, enable_gqa=True
+        )
+    out[span.start : end] = attn[0].transpose(0, 1)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

@@ -30,15 +30,31 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
-        require(self.block_size in (8, 16, 32, 64, 128), "block_size", self.block_size,
-                "must be one of 8, 16, 32, 64, 128")
+        require(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            self.block_size,
+            "must be one of 8, 16, 32, 64, 128",
+        )
         require(self.num_kv_blocks >= 0, "num_kv_blocks", self.num_kv_blocks, "must be >= 0")
-        require(self.max_batched_tokens >= 16, "max_batched_tokens", self.max_batched_tokens,
-                "must be >= 16")
-        require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", self.dtype,
-                "must be auto, float32, bfloat16 or float16")
-        require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-                "device", self.device, "must be auto, cpu, cuda or cuda:N")
+        require(
+            self.max_batched_tokens >= 16,
+            "max_batched_tokens",
+            self.max_batched_tokens,
+            "must be >= 16",
+        )
+        require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            self.dtype,
+            "must be auto, float32, bfloat16 or float16",
+        )
+        require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            self.device,
+            "must be auto, cpu, cuda or cuda:N",
+        )
         require(self.threads >= 0, "threads", self.threads, "must be >= 0")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
         parse_bytes(self.kv_cache_memory)

@@ -61,8 +61,14 @@ def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def load_model(path: str, fmt: str, sha256: str, device: torch.device, dtype: torch.dtype,
-               verify_checksum: bool = True) -> LoadedModel:
+def load_model(
+    path: str,
+    fmt: str,
+    sha256: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    verify_checksum: bool = True,
+) -> LoadedModel:
     weights = Path(path)
     if not weights.exists():
         raise ModelLoadError(f"model path {path!r} does not exist on this worker")
@@ -89,7 +95,7 @@ def load_model(path: str, fmt: str, sha256: str, device: torch.device, dtype: to
         )
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ModelLoadError("sliding-window attention is not supported by the paged kernel")
-    model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]
     if device.type == "cpu":
         use_skinny_linears(model)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -41,8 +41,14 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_pool = torch.zeros(
-            loaded.num_layers, 2, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim,
-            dtype=loaded.dtype, device=loaded.device,
+            loaded.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            loaded.num_kv_heads,
+            loaded.head_dim,
+            dtype=loaded.dtype,
+            device=loaded.device,
         )
         self.sequences: dict[str, SequenceState] = {}
 
@@ -66,8 +72,11 @@ class ModelRunner:
         tokens = self._sample_and_advance(plan, logits, sample_rows)
         done = time.perf_counter_ns()
         return StepResult(
-            step_id=plan.step_id, tokens=tuple(tokens), num_tokens=plan.num_tokens,
-            forward_ns=sample_start - forward_start, sample_ns=done - sample_start,
+            step_id=plan.step_id,
+            tokens=tuple(tokens),
+            num_tokens=plan.num_tokens,
+            forward_ns=sample_start - forward_start,
+            sample_ns=done - sample_start,
             total_ns=done - started,
         )
 
@@ -79,7 +88,10 @@ class ModelRunner:
                 raise PlanError(f"sequence {new.seq_id} sent twice")
             self._check_blocks(new.block_ids)
             self.sequences[new.seq_id] = SequenceState(
-                new.seq_id, list(new.token_ids), new.sampling, list(new.block_ids),
+                new.seq_id,
+                list(new.token_ids),
+                new.sampling,
+                list(new.block_ids),
                 new.num_cached_tokens,
             )
         for item in plan.scheduled:

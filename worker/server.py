@@ -34,13 +34,17 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
     return StepPlan(
         step_id=msg.step_id,
         new_sequences=tuple(
-            NewSequence(n.seq_id, tuple(n.token_ids), sampling_from_pb(n.sampling),
-                        tuple(n.block_ids), n.num_cached_tokens)
+            NewSequence(
+                n.seq_id,
+                tuple(n.token_ids),
+                sampling_from_pb(n.sampling),
+                tuple(n.block_ids),
+                n.num_cached_tokens,
+            )
             for n in msg.new_sequences
         ),
         scheduled=tuple(
-            ScheduledSequence(s.seq_id, s.num_tokens, tuple(s.new_block_ids))
-            for s in msg.scheduled
+            ScheduledSequence(s.seq_id, s.num_tokens, tuple(s.new_block_ids)) for s in msg.scheduled
         ),
         dropped_seq_ids=tuple(msg.dropped_seq_ids),
     )
@@ -49,11 +53,14 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
 def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
     return worker_pb2.StepResult(
         step_id=result.step_id,
-        tokens=[worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
-                for t in result.tokens],
+        tokens=[
+            worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+            for t in result.tokens
+        ],
         num_tokens=result.num_tokens,
-        timings=worker_pb2.StepTimings(forward_ns=result.forward_ns,
-                                       sample_ns=result.sample_ns, total_ns=result.total_ns),
+        timings=worker_pb2.StepTimings(
+            forward_ns=result.forward_ns, sample_ns=result.sample_ns, total_ns=result.total_ns
+        ),
     )
 
 
@@ -75,22 +82,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.runner.step, plan)
 
-    async def GetInfo(self, request: worker_pb2.GetInfoRequest,
-                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+    async def GetInfo(
+        self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         assert self.runner is not None
         i = self.identity
         return worker_pb2.WorkerInfo(
-            worker_id=i.worker_id, model=i.model, version=i.version,
-            num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
-            bytes_per_block=self.bytes_per_block, max_model_len=self.max_model_len,
-            eos_token_ids=self.eos_token_ids, device=i.device,
+            worker_id=i.worker_id,
+            model=i.model,
+            version=i.version,
+            num_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            bytes_per_block=self.bytes_per_block,
+            max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            device=i.device,
             max_batched_tokens=i.max_batched_tokens,
         )
 
-    async def Run(self, request_iterator: AsyncIterator[worker_pb2.StepPlan],
-                  context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResult]:
+    async def Run(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.StepPlan],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.StepResult]:
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         assert self.runner is not None
@@ -103,8 +119,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for msg in request_iterator:
                 plan = plan_from_pb(msg)
                 for new in plan.new_sequences:
-                    log.info("sequence added", request_id=new.seq_id,
-                             num_tokens=len(new.token_ids), num_cached=new.num_cached_tokens)
+                    log.info(
+                        "sequence added",
+                        request_id=new.seq_id,
+                        num_tokens=len(new.token_ids),
+                        num_cached=new.num_cached_tokens,
+                    )
                 for seq_id in plan.dropped_seq_ids:
                     log.info("sequence dropped", request_id=seq_id)
                 try:

@@ -18,7 +18,8 @@ class SmolSuite:
         self.channel = grpc.insecure_channel(gateway.address)
         self.inference = inference_pb2_grpc.InferenceStub(self.channel)
         self.scheduler_stub = scheduler_pb2_grpc.SchedulerStub(
-            grpc.insecure_channel(scheduler.address))
+            grpc.insecure_channel(scheduler.address)
+        )
 
 
 @pytest.fixture(scope="session")
@@ -29,8 +30,9 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolSuite]:
     try:
         registry = s.start_registry()
         scheduler = s.start_scheduler(registry)
-        s.start_worker(registry, "SmolLM2-135M-Instruct", "--kv-cache-memory", "256MiB",
-                       "--threads", "2")
+        s.start_worker(
+            registry, "SmolLM2-135M-Instruct", "--kv-cache-memory", "256MiB", "--threads", "2"
+        )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
         gateway = s.start_gateway(registry, scheduler)
         yield SmolSuite(s, gateway, scheduler)

@@ -16,8 +16,9 @@ BLOCK_SIZE = 8
 
 
 class TinySuite:
-    def __init__(self, suite: Suite, registry: Service, scheduler: Service, worker: Service,
-                 gateway: Service) -> None:
+    def __init__(
+        self, suite: Suite, registry: Service, scheduler: Service, worker: Service, gateway: Service
+    ) -> None:
         self.suite, self.registry, self.scheduler = suite, registry, scheduler
         self.worker, self.gateway = worker, gateway
         self.channel = grpc.insecure_channel(gateway.address)
@@ -30,13 +31,26 @@ class TinySuite:
 def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinySuite]:
     s = Suite(tmp_path_factory.mktemp("suite"))
     try:
-        registry = s.start_registry("--no-register-default",
-                                    "--add-model", f"tiny:v1={tiny_model_dir}",
-                                    "--default-model", "tiny")
+        registry = s.start_registry(
+            "--no-register-default",
+            "--add-model",
+            f"tiny:v1={tiny_model_dir}",
+            "--default-model",
+            "tiny",
+        )
         scheduler = s.start_scheduler(registry)
-        worker = s.start_worker(registry, "tiny", "--num-kv-blocks", str(NUM_KV_BLOCKS),
-                                "--block-size", str(BLOCK_SIZE), "--threads", "1",
-                                "--max-batched-tokens", "256")
+        worker = s.start_worker(
+            registry,
+            "tiny",
+            "--num-kv-blocks",
+            str(NUM_KV_BLOCKS),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--threads",
+            "1",
+            "--max-batched-tokens",
+            "256",
+        )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         gateway = s.start_gateway(registry, scheduler)
         tiny = TinySuite(s, registry, scheduler, worker, gateway)

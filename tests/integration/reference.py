@@ -24,7 +24,10 @@ def greedy(path: Path, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     model, _ = _load(str(path))
     with torch.inference_mode():
         out = model.generate(  # type: ignore[attr-defined]
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            eos_token_id=None, pad_token_id=0,
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-    return list(out[0, len(prompt_ids):].tolist())
+    return list(out[0, len(prompt_ids) :].tolist())

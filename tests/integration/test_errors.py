@@ -13,31 +13,57 @@ BAD = [
     (dict(), grpc.StatusCode.INVALID_ARGUMENT, "exactly one of prompt or messages"),
     (dict(prompt="hi", model="nope"), grpc.StatusCode.NOT_FOUND, "model 'nope' is not registered"),
     (dict(prompt="hi", model="tiny:v9"), grpc.StatusCode.NOT_FOUND, "'tiny:v9'"),
-    (dict(prompt="hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=0: must be >= 1"),
+    (
+        dict(prompt="hi", max_tokens=0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens=0: must be >= 1",
+    ),
     (dict(prompt="hi", max_tokens=-3), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens=-3"),
-    (dict(prompt="hi", max_tokens=5000), grpc.StatusCode.INVALID_ARGUMENT,
-     "max_tokens (5000) exceeds the model's context of 1024 tokens"),
-    (dict(prompt="hi", temperature=-0.5), grpc.StatusCode.INVALID_ARGUMENT,
-     "temperature=-0.5: must be >= 0"),
-    (dict(prompt="hi", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p=0.0: must be in (0, 1]"),
+    (
+        dict(prompt="hi", max_tokens=5000),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens (5000) exceeds the model's context of 1024 tokens",
+    ),
+    (
+        dict(prompt="hi", temperature=-0.5),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature=-0.5: must be >= 0",
+    ),
+    (
+        dict(prompt="hi", top_p=0.0),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "top_p=0.0: must be in (0, 1]",
+    ),
     (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p=1.5"),
     (dict(prompt="hi", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k=-1: must be >= 0"),
-    (dict(prompt="hi", stop=["x"] * 17), grpc.StatusCode.INVALID_ARGUMENT,
-     "stop has 17 strings; the limit is 16"),
+    (
+        dict(prompt="hi", stop=["x"] * 17),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "stop has 17 strings; the limit is 16",
+    ),
     (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings must have"),
-    (dict(prompt="hi", stop_token_ids=[10**6]), grpc.StatusCode.INVALID_ARGUMENT,
-     "stop_token_ids: 1000000 is outside the vocabulary"),
-    (dict(prompt="king " * 1500), grpc.StatusCode.INVALID_ARGUMENT,
-     "the model's context is 1024 tokens"),
+    (
+        dict(prompt="hi", stop_token_ids=[10**6]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "stop_token_ids: 1000000 is outside the vocabulary",
+    ),
+    (
+        dict(prompt="king " * 1500),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "the model's context is 1024 tokens",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("fields", "code", "message"), BAD)
-def test_bad_input_is_refused(suite: TinySuite, fields: dict[str, object],
-                              code: grpc.StatusCode, message: str) -> None:
+def test_bad_input_is_refused(
+    suite: TinySuite, fields: dict[str, object], code: grpc.StatusCode, message: str
+) -> None:
     request = inference_pb2.GenerateRequest(**fields)  # type: ignore[arg-type]
-    for call in (lambda: list(suite.inference.Generate(request, timeout=30)),
-                 lambda: suite.inference.Complete(request, timeout=30)):
+    for call in (
+        lambda: list(suite.inference.Generate(request, timeout=30)),
+        lambda: suite.inference.Complete(request, timeout=30),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == code

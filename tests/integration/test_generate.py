@@ -21,8 +21,9 @@ PROMPTS = [
 ]
 
 
-def _stream(suite: TinySuite, request: inference_pb2.GenerateRequest
-            ) -> list[inference_pb2.GenerateResponse]:
+def _stream(
+    suite: TinySuite, request: inference_pb2.GenerateRequest
+) -> list[inference_pb2.GenerateResponse]:
     return list(suite.inference.Generate(request, timeout=60))
 
 
@@ -32,8 +33,9 @@ def _ids(messages: list[inference_pb2.GenerateResponse]) -> list[int]:
 
 def test_greedy_stream_matches_transformers(suite: TinySuite, tiny_model_dir: Path) -> None:
     tok = reference.tokenizer(tiny_model_dir)
-    request = inference_pb2.GenerateRequest(prompt=PROMPTS[0], max_tokens=20, temperature=0,
-                                            ignore_eos=True)
+    request = inference_pb2.GenerateRequest(
+        prompt=PROMPTS[0], max_tokens=20, temperature=0, ignore_eos=True
+    )
     messages = _stream(suite, request)
     prompt_ids = tok(PROMPTS[0], add_special_tokens=False)["input_ids"]  # type: ignore[operator]
     assert _ids(messages) == reference.greedy(tiny_model_dir, prompt_ids, 20)
@@ -53,8 +55,9 @@ def test_concurrent_streams_equal_each_alone(suite: TinySuite, tiny_model_dir: P
     prompts = [PROMPTS[i % len(PROMPTS)] + f" {i}" for i in range(16)]
 
     def run(prompt: str) -> list[int]:
-        req = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=24, temperature=0,
-                                            ignore_eos=True)
+        req = inference_pb2.GenerateRequest(
+            prompt=prompt, max_tokens=24, temperature=0, ignore_eos=True
+        )
         return _ids(_stream(suite, req))
 
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
@@ -66,9 +69,15 @@ def test_concurrent_streams_equal_each_alone(suite: TinySuite, tiny_model_dir: P
 
 def test_seeded_sampling_is_reproducible_in_any_batch(suite: TinySuite) -> None:
     def run(seed: int) -> list[int]:
-        req = inference_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=16,
-                                            temperature=0.9, top_p=0.95, top_k=50, seed=seed,
-                                            ignore_eos=True)
+        req = inference_pb2.GenerateRequest(
+            prompt="Once upon a time",
+            max_tokens=16,
+            temperature=0.9,
+            top_p=0.95,
+            top_k=50,
+            seed=seed,
+            ignore_eos=True,
+        )
         return _ids(_stream(suite, req))
 
     alone = run(7)
@@ -79,8 +88,9 @@ def test_seeded_sampling_is_reproducible_in_any_batch(suite: TinySuite) -> None:
 
 
 def test_complete_equals_the_joined_stream(suite: TinySuite) -> None:
-    req = inference_pb2.GenerateRequest(prompt="The capital of Italy", max_tokens=12,
-                                        temperature=0, ignore_eos=True)
+    req = inference_pb2.GenerateRequest(
+        prompt="The capital of Italy", max_tokens=12, temperature=0, ignore_eos=True
+    )
     streamed = _stream(suite, req)
     whole = suite.inference.Complete(req, timeout=60)
     assert list(whole.token_ids) == _ids(streamed)
@@ -95,8 +105,11 @@ def test_chat_messages_use_the_chat_template(suite: TinySuite, tiny_model_dir: P
     req = inference_pb2.GenerateRequest(max_tokens=8, temperature=0, ignore_eos=True)
     for m in messages:
         req.messages.messages.add(role=m["role"], content=m["content"])
-    text = tok.apply_chat_template(messages, tokenize=False,  # type: ignore[attr-defined]
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        messages,
+        tokenize=False,  # type: ignore[attr-defined]
+        add_generation_prompt=True,
+    )
     ids = tok(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
     out = _stream(suite, req)
     assert out[-1].usage.prompt_tokens == len(ids)
@@ -104,8 +117,9 @@ def test_chat_messages_use_the_chat_template(suite: TinySuite, tiny_model_dir: P
 
 
 def test_stop_string_ends_the_text_before_it(suite: TinySuite) -> None:
-    base = inference_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=30,
-                                         temperature=0, ignore_eos=True)
+    base = inference_pb2.GenerateRequest(
+        prompt="Once upon a time", max_tokens=30, temperature=0, ignore_eos=True
+    )
     full = "".join(m.text for m in _stream(suite, base))
     stop = full[10:13]
     assert stop.strip(), full
@@ -119,8 +133,7 @@ def test_stop_string_ends_the_text_before_it(suite: TinySuite) -> None:
 
 def test_stop_token_ids_end_the_stream(suite: TinySuite) -> None:
     # Stop on the very token greedy decoding would produce first.
-    req = inference_pb2.GenerateRequest(prompt="a", max_tokens=10, temperature=0,
-                                        ignore_eos=True)
+    req = inference_pb2.GenerateRequest(prompt="a", max_tokens=10, temperature=0, ignore_eos=True)
     first = _ids(_stream(suite, req))[0]
     req.stop_token_ids.append(first)
     out = _stream(suite, req)

@@ -35,16 +35,23 @@ def _wait_all_free(suite: TinySuite, timeout: float = 10.0) -> scheduler_pb2.Wor
 
 
 def test_cancelled_stream_frees_its_blocks_and_spares_the_others(suite: TinySuite) -> None:
-    other_req = inference_pb2.GenerateRequest(prompt="Once upon a time", max_tokens=60,
-                                              temperature=0, ignore_eos=True)
+    other_req = inference_pb2.GenerateRequest(
+        prompt="Once upon a time", max_tokens=60, temperature=0, ignore_eos=True
+    )
     expected = [t for m in suite.inference.Generate(other_req, timeout=60) for t in m.token_ids]
     result: list[int] = []
-    other = threading.Thread(target=lambda: result.extend(
-        t for m in suite.inference.Generate(other_req, timeout=60) for t in m.token_ids))
+    other = threading.Thread(
+        target=lambda: result.extend(
+            t for m in suite.inference.Generate(other_req, timeout=60) for t in m.token_ids
+        )
+    )
     other.start()
     victim = suite.inference.Generate(
-        inference_pb2.GenerateRequest(prompt="The capital of France", max_tokens=500,
-                                      temperature=0, ignore_eos=True), timeout=60)
+        inference_pb2.GenerateRequest(
+            prompt="The capital of France", max_tokens=500, temperature=0, ignore_eos=True
+        ),
+        timeout=60,
+    )
     for _, _message in zip(range(3), victim, strict=False):
         pass
     assert _stats(suite).num_free_blocks < NUM_KV_BLOCKS
@@ -63,46 +70,67 @@ def test_all_servers_report_health_and_reflection(suite: TinySuite) -> None:
                 status = stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
                 assert status.status == health_pb2.HealthCheckResponse.SERVING, (svc.name, name)
         grpcurl = Path(sys.executable).parent / "grpcurl"
-        listed = subprocess.run([str(grpcurl), "-plaintext", svc.address, "list"],
-                                capture_output=True, text=True, timeout=30, check=True).stdout
+        listed = subprocess.run(
+            [str(grpcurl), "-plaintext", svc.address, "list"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         assert svc.service in listed.split() and "grpc.health.v1.Health" in listed.split()
 
 
 def test_api_keys_guard_the_gateway(suite: TinySuite, tmp_path: Path) -> None:
     keys = tmp_path / "keys.txt"
     keys.write_text("# team keys\nsecret-one\nsecret-two\n")
-    gateway = suite.suite.start_gateway(suite.registry, suite.scheduler, "--host", "127.0.0.1",
-                                        "--api-keys-file", str(keys), name="gateway-keys")
+    gateway = suite.suite.start_gateway(
+        suite.registry,
+        suite.scheduler,
+        "--host",
+        "127.0.0.1",
+        "--api-keys-file",
+        str(keys),
+        name="gateway-keys",
+    )
     request = inference_pb2.GenerateRequest(prompt="a", max_tokens=2)
     with grpc.insecure_channel(gateway.address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        for metadata, message in [((), "missing authorization"),
-                                  ((("authorization", "Bearer wrong"),), "invalid API key"),
-                                  ((("authorization", "secret-one"),), "must be 'Bearer KEY'")]:
+        for metadata, message in [
+            ((), "missing authorization"),
+            ((("authorization", "Bearer wrong"),), "invalid API key"),
+            ((("authorization", "secret-one"),), "must be 'Bearer KEY'"),
+        ]:
             with pytest.raises(grpc.RpcError) as info:
                 list(stub.Generate(request, metadata=metadata, timeout=30))
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert message in info.value.details()
-        ok = list(stub.Generate(request, metadata=(("authorization", "Bearer secret-two"),),
-                                timeout=30))
+        ok = list(
+            stub.Generate(request, metadata=(("authorization", "Bearer secret-two"),), timeout=30)
+        )
         assert ok[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
     assert gateway.terminate() == 0
 
 
 def test_gateway_sigterm_finishes_streams_refuses_new_work_and_exits_0(suite: TinySuite) -> None:
-    gateway = suite.suite.start_gateway(suite.registry, suite.scheduler, "--grace", "30",
-                                        name="gateway-drain")
+    gateway = suite.suite.start_gateway(
+        suite.registry, suite.scheduler, "--grace", "30", name="gateway-drain"
+    )
     with grpc.insecure_channel(gateway.address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
-        stream = stub.Generate(inference_pb2.GenerateRequest(
-            prompt="Once upon a time", max_tokens=150, temperature=0, ignore_eos=True),
-            timeout=120)
+        stream = stub.Generate(
+            inference_pb2.GenerateRequest(
+                prompt="Once upon a time", max_tokens=150, temperature=0, ignore_eos=True
+            ),
+            timeout=120,
+        )
         first = next(stream)
         gateway.process.send_signal(15)
         deadline = time.monotonic() + 10
-        while health.Check(health_pb2.HealthCheckRequest(service=gateway.service),
-                           timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
+        while (
+            health.Check(health_pb2.HealthCheckRequest(service=gateway.service), timeout=5).status
+            == health_pb2.HealthCheckResponse.SERVING
+        ):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         with pytest.raises(grpc.RpcError) as info:
@@ -114,8 +142,9 @@ def test_gateway_sigterm_finishes_streams_refuses_new_work_and_exits_0(suite: Ti
     assert gateway.process.wait(60) == 0
 
 
-def test_worker_refuses_weights_whose_checksum_changed(tmp_path: Path,
-                                                       tiny_model_dir: Path) -> None:
+def test_worker_refuses_weights_whose_checksum_changed(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
     import shutil
 
     copy = tmp_path / "tiny-copy"
@@ -154,18 +183,48 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
         base = free_port()
     canteen = Path(sys.executable).parent / "canteen"
     up = subprocess.Popen(
-        [str(canteen), "up", "--base-port", str(base), "--workers", "2", "--model", "tiny",
-         "--add-model", f"tiny:v1={tiny_model_dir}", "--db", str(tmp_path / "r.db"),
-         "--worker-arg=--num-kv-blocks=32", "--worker-arg=--threads=1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        [
+            str(canteen),
+            "up",
+            "--base-port",
+            str(base),
+            "--workers",
+            "2",
+            "--model",
+            "tiny",
+            "--add-model",
+            f"tiny:v1={tiny_model_dir}",
+            "--db",
+            str(tmp_path / "r.db"),
+            "--worker-arg=--num-kv-blocks=32",
+            "--worker-arg=--threads=1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         assert up.stdout is not None
         lines = [up.stdout.readline() for _ in range(1)]
         assert lines[0].startswith("Canteen is ready"), lines
         wait_serving(f"127.0.0.1:{base}", "canteen.v1.Inference", 60)
-        out = subprocess.run([str(canteen), "generate", "The capital", "--max-tokens", "5",
-                              "--temperature", "0", "--ignore-eos", "--address",
-                              f"127.0.0.1:{base}"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [
+                str(canteen),
+                "generate",
+                "The capital",
+                "--max-tokens",
+                "5",
+                "--temperature",
+                "0",
+                "--ignore-eos",
+                "--address",
+                f"127.0.0.1:{base}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert "finish=length" in out.stderr and "completion_tokens=5" in out.stderr
         for port in (base + 10, base + 11):

@@ -48,8 +48,9 @@ class Service:
             return self.process.wait()
 
 
-def wait_serving(address: str, service: str, timeout: float,
-                 process: subprocess.Popen[bytes] | None = None) -> None:
+def wait_serving(
+    address: str, service: str, timeout: float, process: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -74,15 +75,30 @@ class Suite:
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
-    def _spawn(self, name: str, module: str, args: list[str], service: str,
-               ready_timeout: float = 300.0, wait_ready: bool = True) -> Service:
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        service: str,
+        ready_timeout: float = 300.0,
+        wait_ready: bool = True,
+    ) -> Service:
         port = free_port()
         log_path = self.workdir / f"{name}.log"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CANTEEN_LOG_LEVEL": "INFO",
-               "TOKENIZERS_PARALLELISM": "false", **self.env}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "CANTEEN_LOG_LEVEL": "INFO",
+            "TOKENIZERS_PARALLELISM": "false",
+            **self.env,
+        }
         process = subprocess.Popen(
             [sys.executable, "-m", module, "--port", str(port), *args],
-            cwd=ROOT, env=env, stdout=log_path.open("wb"), stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            stdout=log_path.open("wb"),
+            stderr=subprocess.STDOUT,
         )
         svc = Service(name, port, service, process, log_path)
         self.services.append(svc)
@@ -98,19 +114,33 @@ class Suite:
 
     def start_scheduler(self, registry: Service, *args: str) -> Service:
         """Waits for liveness only: readiness needs a worker."""
-        return self._spawn("scheduler", "scheduler", ["--registry", registry.address, *args],
-                           "canteen.v1.Scheduler", wait_ready=False)
+        return self._spawn(
+            "scheduler",
+            "scheduler",
+            ["--registry", registry.address, *args],
+            "canteen.v1.Scheduler",
+            wait_ready=False,
+        )
 
-    def start_worker(self, registry: Service, model: str, *args: str, name: str = "worker"
-                     ) -> Service:
-        return self._spawn(name, "worker", ["--registry", registry.address, "--model", model,
-                                            "--worker-id", name, *args], "canteen.v1.Worker")
+    def start_worker(
+        self, registry: Service, model: str, *args: str, name: str = "worker"
+    ) -> Service:
+        return self._spawn(
+            name,
+            "worker",
+            ["--registry", registry.address, "--model", model, "--worker-id", name, *args],
+            "canteen.v1.Worker",
+        )
 
-    def start_gateway(self, registry: Service, scheduler: Service, *args: str,
-                      name: str = "gateway") -> Service:
-        return self._spawn(name, "gateway", ["--registry", registry.address,
-                                             "--scheduler", scheduler.address, *args],
-                           "canteen.v1.Inference")
+    def start_gateway(
+        self, registry: Service, scheduler: Service, *args: str, name: str = "gateway"
+    ) -> Service:
+        return self._spawn(
+            name,
+            "gateway",
+            ["--registry", registry.address, "--scheduler", scheduler.address, *args],
+            "canteen.v1.Inference",
+        )
 
     def stop(self) -> dict[str, int]:
         codes = {}

@@ -32,8 +32,11 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(_CORPUS, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -42,10 +45,16 @@ def build_tiny_model(path: Path, seed: int = 0, max_len: int = 1024) -> Path:
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_len, eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)

