@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import types
+from fractions import Fraction
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -44,7 +45,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a byte size: {text!r} (use e.g. 512MiB or 2GiB)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+    size = Fraction(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
+    if size.denominator != 1:
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(size)
 
 
 def parse_bool(text: str) -> bool:

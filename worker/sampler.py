@@ -25,8 +25,9 @@ def position_seed(seed: int, position: int) -> int:
 def _filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     scaled = logits / sampling.temperature
     if 0 < sampling.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, sampling.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        # Keep exactly k tokens (by index), even when logits tie at the k-th value.
+        top = torch.topk(scaled, sampling.top_k)
+        scaled = torch.full_like(scaled, float("-inf")).scatter_(0, top.indices, top.values)
     probs = torch.softmax(scaled, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
