@@ -13,8 +13,8 @@ import dataclasses
 import os
 import re
 import types
-from fractions import Fraction
 from collections.abc import Mapping, Sequence
+from fractions import Fraction
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 T = TypeVar("T")
