@@ -134,11 +134,14 @@ class ServiceRuntime:
         grace_seconds: float = 10.0,
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         untracked: tuple[str, ...] = (),
+        handle_signals: bool = True,
     ) -> None:
         self.service_name = service_name
         # Long-lived watch streams that a drain does not wait for.
         self.untracked = untracked
         self.in_flight = _InFlight()
+        self._handle_signals = handle_signals
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.address = address
         self.grace_seconds = grace_seconds
         self.is_draining = False
@@ -181,14 +184,20 @@ class ServiceRuntime:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+        self._loop = asyncio.get_running_loop()
+        if self._handle_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._loop.add_signal_handler(sig, self._on_signal, sig)
         log.info("listening", address=self.address, port=self.port, service=self.service_name)
         return self.port
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self._drain_task = asyncio.ensure_future(self.drain(sig.name))
+
+    def drain_threadsafe(self, sig: signal.Signals) -> None:
+        """Starts a drain from another thread (a signal handler on the main thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_signal, sig)
 
     async def drain(self, reason: str = "requested") -> None:
         if self.is_draining:

@@ -134,10 +134,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.ListModelsResponse:
         await self._begin(context)
         catalog = self._service.catalog
+        ready = await self._service.ready_models()
         return inference_pb2.ListModelsResponse(
             models=[
                 inference_pb2.ModelInfo(
-                    name=m.name, version=m.version, max_model_len=m.max_model_len
+                    name=m.name,
+                    version=m.version,
+                    max_model_len=m.max_model_len,
+                    is_ready=m.name in ready,
                 )
                 for m in catalog.models()
             ],

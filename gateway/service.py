@@ -88,6 +88,14 @@ class InferenceService:
         self.tokenizers = tokenizers
         self.scheduler = scheduler
 
+    async def ready_models(self) -> set[str]:
+        """Names of the models a ready worker serves now (empty when the scheduler is away)."""
+        try:
+            stats = await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=2)
+        except grpc.aio.AioRpcError:
+            return set()
+        return {w.model for w in stats.workers if w.is_ready}
+
     def check_shape(self, inp: GenerateInput) -> None:
         """Checks what needs no tokenizer; raises InvalidInputError naming field and limit."""
         c = self.config

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
+import threading
 import uuid
+from concurrent.futures import Executor
 
 import grpc
 import torch
@@ -16,6 +19,7 @@ from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.server import ServiceRuntime
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
+from worker.engine import MainThreadExecutor
 from worker.loader import ModelLoadError, load_model, pick_device, pick_dtype
 from worker.runner import ModelRunner, kv_bytes_per_block
 from worker.server import WorkerIdentity, WorkerServicer
@@ -80,22 +84,15 @@ async def keep_lease(
         await asyncio.sleep(max(ttl / 3, 0.1))
 
 
-async def serve(config: WorkerConfig) -> None:
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
-    runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
-    channel = grpc.aio.insecure_channel(config.registry)
-    registry = registry_pb2_grpc.RegistryStub(channel)
+async def load(
+    config: WorkerConfig,
+    record: registry_pb2.ModelRecord,
+    engine: Executor,
+    servicer: WorkerServicer,
+) -> None:
+    """Loads, sizes the KV pool and warms up, all on the engine (main) thread."""
+    loop = asyncio.get_running_loop()
     device = pick_device(config.device)
-    record = await fetch_record(registry, config.model)
-    identity = WorkerIdentity(
-        worker_id, record.name, record.version, str(device), config.max_batched_tokens
-    )
-    servicer = WorkerServicer(identity)
-    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
-    port = await runtime.start([SERVICE_NAME])
-
     log.info(
         "loading model",
         model=record.name,
@@ -103,7 +100,8 @@ async def serve(config: WorkerConfig) -> None:
         path=record.path,
         device=str(device),
     )
-    loaded = await asyncio.to_thread(
+    loaded = await loop.run_in_executor(
+        engine,
         load_model,
         record.path,
         _FORMATS.get(record.format, ""),
@@ -114,8 +112,8 @@ async def serve(config: WorkerConfig) -> None:
     )
     per_block = kv_bytes_per_block(loaded, config.block_size)
     num_blocks = config.num_kv_blocks or max(config.kv_cache_bytes // per_block, 1)
-    runner = ModelRunner(loaded, num_blocks, config.block_size)
-    await asyncio.to_thread(warm_up, runner)
+    runner = await loop.run_in_executor(engine, ModelRunner, loaded, num_blocks, config.block_size)
+    await loop.run_in_executor(engine, warm_up, runner)
     servicer.runner, servicer.bytes_per_block = runner, per_block
     servicer.eos_token_ids = loaded.eos_token_ids
     servicer.max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
@@ -126,8 +124,29 @@ async def serve(config: WorkerConfig) -> None:
         bytes_per_block=per_block,
         eos_token_ids=list(loaded.eos_token_ids),
     )
-    await runtime.set_ready(True)
 
+
+async def serve(config: WorkerConfig, engine: Executor, runtimes: list[ServiceRuntime]) -> None:
+    runtime = ServiceRuntime(
+        SERVICE_NAME, f"{config.host}:{config.port}", config.grace, handle_signals=False
+    )
+    runtimes.append(runtime)  # the main thread's signal handler drains it
+    worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+    channel = grpc.aio.insecure_channel(config.registry)
+    registry = registry_pb2_grpc.RegistryStub(channel)
+    record = await fetch_record(registry, config.model)
+    identity = WorkerIdentity(
+        worker_id,
+        record.name,
+        record.version,
+        str(pick_device(config.device)),
+        config.max_batched_tokens,
+    )
+    servicer = WorkerServicer(identity, engine)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
+    port = await runtime.start([SERVICE_NAME])
+    await load(config, record, engine, servicer)
+    await runtime.set_ready(True)
     host = config.advertise_host or config.host
     lease = asyncio.create_task(
         keep_lease(
@@ -165,12 +184,38 @@ def main(argv: list[str] | None = None) -> None:
         WorkerConfig, argv, prog="python -m worker", description="Canteen model worker"
     )
     configure_logging("worker")
-    try:
-        asyncio.run(serve(config))
-    except ModelLoadError as exc:
-        log.error("cannot load model", error=str(exc))
-        sys.exit(2)
-    sys.exit(0)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine = MainThreadExecutor()
+    runtimes: list[ServiceRuntime] = []
+    exit_code = [0]
+
+    def run_loop() -> None:
+        try:
+            asyncio.run(serve(config, engine, runtimes))
+        except ModelLoadError as exc:
+            log.error("cannot load model", error=str(exc))
+            exit_code[0] = 2
+        except BaseException:
+            log.exception("worker failed")
+            exit_code[0] = 1
+        finally:
+            engine.shutdown()
+
+    # gRPC runs beside; torch runs here, on the main thread (see worker/engine.py).
+    grpc_thread = threading.Thread(target=run_loop, name="grpc-loop", daemon=True)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not runtimes:
+            sys.exit(0)  # not serving yet: nothing to drain
+        runtimes[0].drain_threadsafe(signal.Signals(signum))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    grpc_thread.start()
+    engine.run_forever()
+    grpc_thread.join()
+    sys.exit(exit_code[0])
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import grpc
@@ -65,14 +65,14 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, identity: WorkerIdentity) -> None:
+    def __init__(self, identity: WorkerIdentity, engine: Executor) -> None:
         self.identity = identity
         self.runner: ModelRunner | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.max_model_len = 0
         self.bytes_per_block = 0
-        # The forward pass runs here, never on the event loop.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        # The forward pass runs here (the main thread), never on the event loop.
+        self._engine = engine
         self.num_streams = 0
         self.idle = asyncio.Event()
         self.idle.set()
@@ -80,7 +80,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def run_step(self, plan: StepPlan) -> StepResult:
         assert self.runner is not None
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.runner.step, plan)
+        return await loop.run_in_executor(self._engine, self.runner.step, plan)
 
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext

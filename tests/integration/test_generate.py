@@ -145,7 +145,8 @@ def test_stop_token_ids_end_the_stream(suite: TinySuite) -> None:
 def test_list_models_names_the_default(suite: TinySuite) -> None:
     listing = suite.inference.ListModels(inference_pb2.ListModelsRequest(), timeout=10)
     assert listing.default_model == "tiny"
-    assert [(m.name, m.version, m.max_model_len) for m in listing.models] == [("tiny", "v1", 1024)]
+    models = [(m.name, m.version, m.max_model_len, m.is_ready) for m in listing.models]
+    assert models == [("tiny", "v1", 1024, True)]
 
 
 def test_response_metadata_carries_the_request_id(suite: TinySuite) -> None:
