@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
 from canteen.server import ServiceRuntime
+from canteen.streams import follow_stream
 from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from gateway.auth import ApiKeys
 from gateway.catalog import ModelCatalog
@@ -42,23 +43,26 @@ def _is_loopback(host: str) -> bool:
 
 
 async def follow_scheduler(
-    channel: grpc.aio.Channel, runtime: ServiceRuntime, preload: asyncio.Future[None]
+    address: str, runtime: ServiceRuntime, preload: asyncio.Future[None]
 ) -> None:
     """Readiness follows the scheduler's readiness (health Watch, reconnecting)."""
-    stub = health_pb2_grpc.HealthStub(channel)
-    delay = 0.2
-    while True:
-        try:
-            async for msg in stub.Watch(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)):
-                delay = 0.2
-                is_serving = msg.status == health_pb2.HealthCheckResponse.SERVING
-                await preload
-                await runtime.set_ready(is_serving)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("scheduler health watch broken", code=exc.code().name)
+
+    async def on_status(msg: health_pb2.HealthCheckResponse) -> None:
+        await preload
+        await runtime.set_ready(msg.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def on_broken() -> None:
         await runtime.set_ready(False)
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 5.0)
+
+    await follow_stream(
+        address,
+        lambda channel: health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
+        ),
+        on_status,
+        "scheduler health",
+        on_broken,
+    )
 
 
 async def serve(config: GatewayConfig) -> None:
@@ -87,7 +91,7 @@ async def serve(config: GatewayConfig) -> None:
         log.info("tokenizer ready", model=catalog.default_model)
 
     preload = asyncio.ensure_future(preload_default())
-    health = asyncio.create_task(follow_scheduler(channel, runtime, preload))
+    health = asyncio.create_task(follow_scheduler(config.scheduler, runtime, preload))
     await runtime.wait()
     for task in (watcher, health, preload):
         task.cancel()

@@ -6,9 +6,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import grpc
-
 from canteen.logging import get_logger
+from canteen.streams import follow_stream
 from canteen.v1 import registry_pb2, registry_pb2_grpc
 
 log = get_logger(__name__)
@@ -75,18 +74,17 @@ class ModelCatalog:
         self.default_model = msg.default_model
 
     async def watch_forever(self) -> None:
-        delay = 0.2
-        while True:
-            try:
-                async with grpc.aio.insecure_channel(self._address) as channel:
-                    stub = registry_pb2_grpc.RegistryStub(channel)
-                    async for msg in stub.WatchModels(registry_pb2.WatchModelsRequest()):
-                        delay = 0.2
-                        self._apply(msg)
-                        self.loaded.set()
-                        for callback in self.on_change:
-                            await callback()
-            except grpc.aio.AioRpcError as exc:
-                log.warning("registry watch broken", code=exc.code().name, retry_in=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        await follow_stream(
+            self._address,
+            lambda channel: registry_pb2_grpc.RegistryStub(channel).WatchModels(
+                registry_pb2.WatchModelsRequest()
+            ),
+            self._on_models,
+            "registry models",
+        )
+
+    async def _on_models(self, msg: registry_pb2.ListModelsRegistryResponse) -> None:
+        self._apply(msg)
+        self.loaded.set()
+        for callback in self.on_change:
+            await callback()

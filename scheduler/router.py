@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from canteen.logging import get_logger
+from canteen.streams import follow_stream
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.link import WorkerLink, describe
 
@@ -55,20 +56,16 @@ class WorkerPool:
 
     async def watch_forever(self) -> None:
         """Follows the registry's worker directory, reconnecting with backoff."""
-        delay = 0.2
-        while True:
-            try:
-                async with grpc.aio.insecure_channel(self._registry_address) as channel:
-                    stub = registry_pb2_grpc.RegistryStub(channel)
-                    async for snapshot in stub.WatchWorkers(registry_pb2.WatchWorkersRequest()):
-                        delay = 0.2
-                        self._apply(snapshot)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("registry watch broken", code=exc.code().name, retry_in=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        await follow_stream(
+            self._registry_address,
+            lambda channel: registry_pb2_grpc.RegistryStub(channel).WatchWorkers(
+                registry_pb2.WatchWorkersRequest()
+            ),
+            self._apply,
+            "registry workers",
+        )
 
-    def _apply(self, snapshot: registry_pb2.WorkerList) -> None:
+    async def _apply(self, snapshot: registry_pb2.WorkerList) -> None:
         live = {w.worker_id: w for w in snapshot.workers}
         for worker_id, link in self.links.items():
             if worker_id not in live and not link.is_draining:

@@ -233,3 +233,44 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
         up.send_signal(15)
         code = up.wait(90)
     assert code == 0
+
+
+def test_readiness_waits_for_a_worker_and_requests_get_unavailable(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    s = Suite(tmp_path)
+    try:
+        registry = s.start_registry(
+            "--no-register-default", "--add-model", f"t3:v1={tiny_model_dir}"
+        )
+        scheduler = s.start_scheduler(registry)
+        gateway = s.spawn(
+            "gateway",
+            "gateway",
+            ["--registry", registry.address, "--scheduler", scheduler.address],
+            "canteen.v1.Inference",
+            wait_ready=False,
+        )
+        for svc in (scheduler, gateway):
+            with grpc.insecure_channel(svc.address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                live = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                ready = stub.Check(health_pb2.HealthCheckRequest(service=svc.service), timeout=5)
+                assert live.status == health_pb2.HealthCheckResponse.SERVING
+                assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING, svc.name
+        with grpc.insecure_channel(gateway.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            deadline = time.monotonic() + 30
+            while True:  # the gateway's model table arrives over the registry watch
+                try:
+                    stub.Complete(inference_pb2.GenerateRequest(prompt="a", model="t3"), timeout=10)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        continue
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    assert "no ready worker serves model 't3:v1'" in exc.details()
+                    break
+                raise AssertionError("a request without a worker succeeded")
+    finally:
+        s.stop()

@@ -75,7 +75,7 @@ class Suite:
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
 
-    def _spawn(
+    def spawn(
         self,
         name: str,
         module: str,
@@ -110,11 +110,11 @@ class Suite:
 
     def start_registry(self, *args: str) -> Service:
         db = str(self.workdir / "registry.db")
-        return self._spawn("registry", "registry", ["--db", db, *args], "canteen.v1.Registry")
+        return self.spawn("registry", "registry", ["--db", db, *args], "canteen.v1.Registry")
 
     def start_scheduler(self, registry: Service, *args: str) -> Service:
         """Waits for liveness only: readiness needs a worker."""
-        return self._spawn(
+        return self.spawn(
             "scheduler",
             "scheduler",
             ["--registry", registry.address, *args],
@@ -125,7 +125,7 @@ class Suite:
     def start_worker(
         self, registry: Service, model: str, *args: str, name: str = "worker"
     ) -> Service:
-        return self._spawn(
+        return self.spawn(
             name,
             "worker",
             ["--registry", registry.address, "--model", model, "--worker-id", name, *args],
@@ -135,7 +135,7 @@ class Suite:
     def start_gateway(
         self, registry: Service, scheduler: Service, *args: str, name: str = "gateway"
     ) -> Service:
-        return self._spawn(
+        return self.spawn(
             name,
             "gateway",
             ["--registry", registry.address, "--scheduler", scheduler.address, *args],
