@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from canteen.logging import get_logger
 from canteen.plan import Sampling
+from scheduler.link import WorkerLink
 from scheduler.router import WorkerPool
 from scheduler.sequence import Finish, SeqEvent, Sequence
 
@@ -47,8 +48,8 @@ class SchedulerService:
         self.pool = pool
         self.max_queue = max_queue
 
-    async def generate(self, params: GenerateParams) -> AsyncIterator[SeqEvent]:
-        """Yields the sequence's events until it finishes; cancels it if the caller leaves."""
+    def _admit(self, params: GenerateParams) -> tuple[WorkerLink, Sequence]:
+        """Picks a worker and checks the request against it; raises what the caller sees."""
         _validate_shape(params)
         link = self.pool.pick(params.model, params.version)
         if link is None:
@@ -82,11 +83,16 @@ class SchedulerService:
             priority=params.priority,
             max_model_len=desc.max_model_len,
         )
+        return link, seq
+
+    async def generate(self, params: GenerateParams) -> AsyncIterator[SeqEvent]:
+        """Yields the sequence's events until it finishes; cancels it if the caller leaves."""
+        link, seq = self._admit(params)
         queue = link.submit(seq)
         log.info(
             "request queued",
             request_id=params.request_id,
-            worker_id=desc.worker_id,
+            worker_id=link.desc.worker_id,
             num_prompt_tokens=len(params.prompt_ids),
             max_tokens=params.max_tokens,
         )
