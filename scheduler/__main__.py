@@ -19,7 +19,7 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 async def serve(config: SchedulerConfig) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
-    pool = WorkerPool(config.registry, config.max_num_seqs, runtime.set_ready)
+    pool = WorkerPool(config.registry, config.max_num_seqs, runtime.set_ready, config.prefix_cache)
     service = SchedulerService(pool, config.max_queue)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), runtime.server)
     await runtime.start([SERVICE_NAME])

@@ -52,6 +52,8 @@ class BatchScheduler:
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_cached_prompt_tokens = 0
         self._pending_drops: list[str] = []
         self._in_flight: StepPlan | None = None
         self._admit_counter = 0
@@ -84,6 +86,15 @@ class BatchScheduler:
         self._pending_drops.clear()
         self._in_flight = None
         return failed
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Share of admitted prompt tokens whose KV came from the prefix cache."""
+        return (
+            self.num_cached_prompt_tokens / self.num_prompt_tokens
+            if self.num_prompt_tokens
+            else 0.0
+        )
 
     @property
     def has_work(self) -> bool:
@@ -129,6 +140,7 @@ class BatchScheduler:
             seq = by_id.get(item.seq_id)
             if seq is not None:
                 seq.num_computed += item.num_tokens
+                self._commit_full_blocks(seq)
         events = [self._on_token(by_id[t.seq_id], t) for t in result.tokens if t.seq_id in by_id]
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
@@ -155,9 +167,11 @@ class BatchScheduler:
             seq = max(
                 self.waiting, key=lambda s: (s.priority, s.num_preemptions > 0, -s.arrival_time)
             )
+            self._reuse_cached_prefix(seq)
             n = min(seq.num_uncomputed, budget)
             need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_ids)
             if self.pool.num_free < need + self.limits.watermark_blocks:
+                self._release(seq)
                 break
             blocks = self.pool.allocate(need)
             assert blocks is not None
@@ -168,10 +182,41 @@ class BatchScheduler:
             seq.admit_order = self._admit_counter
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                self.num_prompt_tokens += len(seq.prompt_ids)
+                self.num_cached_prompt_tokens += seq.num_cached_tokens
             self.running.append(seq)
             chosen.append((seq, n))
             budget -= n
         return budget
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Starts a sequence that holds no blocks on the longest cached prefix of its tokens."""
+        if seq.block_ids:
+            return
+        blocks, keys = self.pool.match_prefix(seq.tokens)
+        seq.block_ids, seq.block_keys = blocks, keys
+        seq.num_computed = len(blocks) * self.pool.block_size
+        if seq.first_scheduled_time is None:
+            seq.num_cached_tokens = seq.num_computed
+
+    def _release(self, seq: Sequence) -> None:
+        """Returns all of a sequence's blocks (full computed ones stay cached)."""
+        if seq.block_ids:
+            self.pool.free(seq.block_ids)
+        seq.block_ids, seq.block_keys, seq.num_computed, seq.num_sent_blocks = [], [], 0, 0
+
+    def _commit_full_blocks(self, seq: Sequence) -> None:
+        """Keys every block that became full and computed, so other sequences can share it."""
+        bs = self.pool.block_size
+        num_full = seq.num_computed // bs
+        if len(seq.block_keys) >= num_full:
+            return
+        tokens = seq.tokens
+        while len(seq.block_keys) < num_full:
+            i = len(seq.block_keys)
+            parent = seq.block_keys[-1] if seq.block_keys else self.pool.root_key
+            key = self.pool.commit(seq.block_ids[i], parent, tokens[i * bs : (i + 1) * bs])
+            seq.block_keys.append(key)
 
     def _grow(self, seq: Sequence, num_tokens: int, in_plan: set[int]) -> bool:
         """Gives ``seq`` blocks for ``num_tokens``, preempting others; False if it was preempted."""
@@ -190,10 +235,9 @@ class BatchScheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.free(seq.block_ids)
+        self._release(seq)
         if seq.is_on_worker:
             self._pending_drops.append(seq.request_id)
-        seq.block_ids, seq.num_computed, seq.num_sent_blocks = [], 0, 0
         seq.is_on_worker = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -203,9 +247,7 @@ class BatchScheduler:
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        if seq.block_ids:
-            self.pool.free(seq.block_ids)
-            seq.block_ids = []
+        self._release(seq)
         if seq.is_on_worker:
             self._pending_drops.append(seq.request_id)
             seq.is_on_worker = False

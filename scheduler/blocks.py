@@ -1,49 +1,127 @@
-"""The mirror of one worker's KV pool: which block ids are free.
+"""The mirror of one worker's KV pool: free blocks, references, and the prefix cache.
 
 The scheduler is the single owner of block accounting; the worker only writes where a plan
-tells it to. Every block is in exactly one place: the free list or one sequence's table.
+tells it to. A block is referenced by the sequences whose tables hold it. With the prefix
+cache on, a full, computed block is keyed by a hash chained over its parent's key, its
+token ids and the model version; another sequence with the same prefix shares it. A block
+nobody references goes back to the free list: plain blocks are handed out first, cached ones
+stay reusable until they are evicted least-recently-used.
+
+    key(block i) = H(key(block i-1), tokens[i*bs:(i+1)*bs])     key(-1) = H(model version)
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+
+def chain_key(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_cache: bool = False,
+        cache_salt: str = "",
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks={num_blocks}: must be > 0")
         if block_size <= 0:
             raise ValueError(f"block_size={block_size}: must be > 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
+        self.enable_prefix_cache = enable_prefix_cache
+        self.root_key = hashlib.blake2b(cache_salt.encode(), digest_size=16).digest()
+        self._plain: deque[int] = deque(range(num_blocks))  # free, no cached content
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # free, cached, LRU first
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now (plain free ones and evictable cached ones)."""
+        return len(self._plain) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Unreferenced blocks kept for their cached content."""
+        return len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int] | None:
-        """``count`` free block ids, or None (and nothing taken) when fewer are free."""
-        if count > len(self._free):
+        """``count`` blocks for new content, or None (and nothing taken) when too few are free."""
+        if count > self.num_free:
             return None
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
-            self._is_free[block] = False
+        blocks = []
+        for _ in range(count):
+            if self._plain:
+                block = self._plain.popleft()
+            else:
+                block, _ = self._evictable.popitem(last=False)  # evict the least recent
+                del self._block_of[self._key_of.pop(block)]
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
+        """Drops one reference to each block; unreferenced ones become free (or evictable)."""
         for block in blocks:
-            if self._is_free[block]:
+            if self._refs[block] <= 0:
                 raise ValueError(f"block {block} freed twice")
-            self._is_free[block] = True
-            self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._plain.append(block)
+
+    # -- prefix cache --------------------------------------------------------------------
+
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+        """References the cached blocks of the longest cached prefix of ``tokens``.
+
+        At least one token is always left to compute, so the last token's logits exist.
+        """
+        if not self.enable_prefix_cache:
+            return [], []
+        bs = self.block_size
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        parent = self.root_key
+        num_full = (len(tokens) - 1) // bs
+        for i in range(num_full):
+            key = chain_key(parent, tokens[i * bs : (i + 1) * bs])
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            blocks.append(block)
+            keys.append(key)
+            parent = key
+        return blocks, keys
+
+    def commit(self, block: int, parent: bytes, tokens: list[int]) -> bytes:
+        """Records that ``block`` now holds ``tokens`` after ``parent``; returns its key."""
+        key = chain_key(parent, tokens)
+        if self.enable_prefix_cache and key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
+        return key

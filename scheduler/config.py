@@ -18,6 +18,7 @@ class SchedulerConfig:
         1024, "most requests waiting across workers; more get RESOURCE_EXHAUSTED"
     )
     max_num_seqs: int = option(256, "most sequences in one worker's running batch")
+    prefix_cache: bool = option(True, "share the KV of common prompt prefixes across requests")
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
 
     def __post_init__(self) -> None:

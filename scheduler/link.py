@@ -51,13 +51,23 @@ def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
 
 class WorkerLink:
     def __init__(
-        self, desc: WorkerDescription, channel: grpc.aio.Channel, max_num_seqs: int
+        self,
+        desc: WorkerDescription,
+        channel: grpc.aio.Channel,
+        max_num_seqs: int,
+        enable_prefix_cache: bool = True,
     ) -> None:
         self.desc = desc
         self._channel = channel
         self._stub = worker_pb2_grpc.WorkerStub(channel)
         limits = BatchLimits(max_batched_tokens=desc.max_batched_tokens, max_num_seqs=max_num_seqs)
-        self.core = BatchScheduler(BlockPool(desc.num_blocks, desc.block_size), limits)
+        pool = BlockPool(
+            desc.num_blocks,
+            desc.block_size,
+            enable_prefix_cache,
+            cache_salt=f"{desc.model}:{desc.version}",
+        )
+        self.core = BatchScheduler(pool, limits)
         self._queues: dict[str, asyncio.Queue[SeqEvent]] = {}
         self._wake = asyncio.Event()
         self.is_up = True

@@ -26,7 +26,9 @@ class WorkerPool:
         registry_address: str,
         max_num_seqs: int,
         on_ready_change: Callable[[bool], Awaitable[None]],
+        enable_prefix_cache: bool = True,
     ) -> None:
+        self._enable_prefix_cache = enable_prefix_cache
         self._registry_address = registry_address
         self._max_num_seqs = max_num_seqs
         self._on_ready_change = on_ready_change
@@ -88,7 +90,9 @@ class WorkerPool:
             return
         finally:
             self._connecting.discard(entry.worker_id)
-        link = WorkerLink(describe(info, entry.address), channel, self._max_num_seqs)
+        link = WorkerLink(
+            describe(info, entry.address), channel, self._max_num_seqs, self._enable_prefix_cache
+        )
         self.links[entry.worker_id] = link
         log.info(
             "worker connected",

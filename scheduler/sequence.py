@@ -33,6 +33,8 @@ class Sequence:
     max_model_len: int = 1 << 30
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # Prefix-cache keys of the leading full, computed blocks.
+    block_keys: list[bytes] = field(default_factory=list)
     num_computed: int = 0
     status: Status = Status.WAITING
     finish: Finish | None = None

@@ -98,6 +98,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     num_steps=core.num_steps,
                     is_ready=link.is_ready,
                     num_preemptions=core.num_preemptions,
+                    num_cached_blocks=core.pool.num_cached,
+                    prefix_cache_hit_rate=core.prefix_cache_hit_rate,
                 )
             )
         return scheduler_pb2.GetStatsResponse(workers=workers)

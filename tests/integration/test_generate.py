@@ -157,3 +157,18 @@ def test_response_metadata_carries_the_request_id(suite: TinySuite) -> None:
     assert messages[0].id == "my-id-1"
     for service in (suite.gateway, suite.scheduler, suite.worker):
         assert '"request_id": "my-id-1"' in service.log(), service.name
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_with_identical_tokens(
+    suite: TinySuite, tiny_model_dir: Path
+) -> None:
+    tok = reference.tokenizer(tiny_model_dir)
+    prompt = "Canteen batches requests on the fly and streams tokens back one by one. " * 3
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    req = inference_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=16, temperature=0, ignore_eos=True
+    )
+    first, second = _stream(suite, req), _stream(suite, req)
+    assert _ids(first) == _ids(second) == reference.greedy(tiny_model_dir, ids, 16)
+    assert second[-1].usage.cached_tokens == (len(ids) - 1) // 8 * 8  # full 8-token blocks
+    assert second[-1].usage.prompt_tokens == len(ids)
