@@ -7,7 +7,7 @@ worker: it appends them itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -67,4 +67,3 @@ class StepResult:
     forward_ns: int = 0
     sample_ns: int = 0
     total_ns: int = 0
-    extra: dict[str, float] = field(default_factory=dict)

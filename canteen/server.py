@@ -78,30 +78,20 @@ def _counted(handler: grpc.RpcMethodHandler, in_flight: _InFlight) -> grpc.RpcMe
                 in_flight.exit()
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
-    if handler.unary_stream is not None:
-        inner_us = handler.unary_stream
-
-        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    streaming = handler.unary_stream or handler.stream_stream
+    if streaming is not None:
+        # One wrapper serves both: the first argument is a request or a request iterator.
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             in_flight.enter()
             try:
-                async for item in inner_us(request, context):
+                async for item in streaming(request, context):
                     yield item
             finally:
                 in_flight.exit()
 
-        return grpc.unary_stream_rpc_method_handler(unary_stream, des, ser)
-    if handler.stream_stream is not None:
-        inner_ss = handler.stream_stream
-
-        async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            in_flight.enter()
-            try:
-                async for item in inner_ss(requests, context):
-                    yield item
-            finally:
-                in_flight.exit()
-
-        return grpc.stream_stream_rpc_method_handler(stream_stream, des, ser)
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(stream, des, ser)
+        return grpc.stream_stream_rpc_method_handler(stream, des, ser)
     return handler
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from canteen.logging import get_logger
@@ -43,7 +42,6 @@ class ModelCatalog:
         self._versions: dict[str, ModelVersion] = {}
         self.default_model = ""
         self.loaded = asyncio.Event()
-        self.on_change: list[Callable[[], Awaitable[None]]] = []
 
     def models(self) -> list[ModelVersion]:
         return sorted(self._latest.values(), key=lambda m: m.name)
@@ -86,5 +84,3 @@ class ModelCatalog:
     async def _on_models(self, msg: registry_pb2.ListModelsRegistryResponse) -> None:
         self._apply(msg)
         self.loaded.set()
-        for callback in self.on_change:
-            await callback()

@@ -72,7 +72,6 @@ class WorkerLink:
         self._wake = asyncio.Event()
         self.is_up = True
         self.is_draining = False
-        self.closed = asyncio.Event()
 
     @property
     def is_ready(self) -> bool:
@@ -111,7 +110,6 @@ class WorkerLink:
             self.is_up = False
             call.cancel()
             await self._channel.close()
-            self.closed.set()
 
     async def _loop(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:

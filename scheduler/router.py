@@ -49,9 +49,6 @@ class WorkerPool:
             return None
         return max(candidates, key=_headroom)
 
-    def has_model(self, model: str) -> bool:
-        return any(link.desc.model == model for link in self.links.values())
-
     @property
     def num_waiting(self) -> int:
         return sum(len(link.core.waiting) for link in self.links.values())

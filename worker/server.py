@@ -73,7 +73,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.bytes_per_block = 0
         # The forward pass runs here (the main thread), never on the event loop.
         self._engine = engine
-        self.num_streams = 0
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -112,7 +111,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         assert self.runner is not None
         # A new stream is a new scheduler session: it owns all state from here on.
         self.runner.sequences.clear()
-        self.num_streams += 1
         self.idle.clear()
         log.info("run stream opened")
         try:
@@ -138,7 +136,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 else:
                     self.idle.clear()
         finally:
-            self.num_streams -= 1
             self.runner.sequences.clear()
             self.idle.set()
             log.info("run stream closed")
