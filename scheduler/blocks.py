@@ -118,6 +118,18 @@ class BlockPool:
             parent = key
         return blocks, keys
 
+    def count_cached_prefix(self, tokens: list[int]) -> int:
+        """Leading full blocks of ``tokens`` cached here (what match_prefix would reuse)."""
+        if not self.enable_prefix_cache:
+            return 0
+        bs = self.block_size
+        parent = self.root_key
+        for i in range((len(tokens) - 1) // bs):
+            parent = chain_key(parent, tokens[i * bs : (i + 1) * bs])
+            if parent not in self._block_of:
+                return i
+        return (len(tokens) - 1) // bs
+
     def commit(self, block: int, parent: bytes, tokens: list[int]) -> bytes:
         """Records that ``block`` now holds ``tokens`` after ``parent``; returns its key."""
         key = chain_key(parent, tokens)

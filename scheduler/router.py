@@ -1,8 +1,14 @@
 """The workers the scheduler knows, learned from the registry's watch stream, and routing.
 
 A worker that appears in the directory is dialled, described (GetInfo) and given a link; one
-that leaves is drained. A request goes to the ready worker of its model with the most free
-blocks left after the demand already waiting on it.
+that leaves is drained. A request goes to a ready worker of its model:
+
+- to the one holding the longest cached prefix of its prompt, among workers with room (no
+  queue, and free blocks for the uncached part of the prompt after what already waits);
+- otherwise to the one with the most free blocks left after the demand already waiting on it.
+
+So shared prefixes stay on the worker that computed them until it fills, then spill over to
+the next worker, which caches them too.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import grpc
 from canteen.logging import get_logger
 from canteen.streams import follow_stream
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler.batcher import BatchScheduler
 from scheduler.link import WorkerLink, describe
 
 log = get_logger(__name__)
@@ -37,7 +44,7 @@ class WorkerPool:
         self._connecting: set[str] = set()
         self._was_ready = False
 
-    def pick(self, model: str, version: str) -> WorkerLink | None:
+    def pick(self, model: str, version: str, prompt_ids: list[int]) -> WorkerLink | None:
         candidates = [
             link
             for link in self.links.values()
@@ -45,9 +52,8 @@ class WorkerPool:
             and link.desc.model == model
             and (not version or link.desc.version == version)
         ]
-        if not candidates:
-            return None
-        return max(candidates, key=_headroom)
+        chosen = pick_worker([link.core for link in candidates], prompt_ids)
+        return None if chosen is None else candidates[chosen]
 
     @property
     def num_waiting(self) -> int:
@@ -116,7 +122,23 @@ class WorkerPool:
             await self._on_ready_change(is_ready)
 
 
-def _headroom(link: WorkerLink) -> int:
-    core = link.core
+def pick_worker(cores: list[BatchScheduler], prompt_ids: list[int]) -> int | None:
+    """Index of the core to run on: prefix-cache affinity among those with room, else the
+    most headroom."""
+    if not cores:
+        return None
+    best: tuple[int, int] | None = None
+    chosen = None
+    for i, core in enumerate(cores):
+        cached = core.pool.count_cached_prefix(prompt_ids)
+        room = _headroom(core) - (core.pool.blocks_for(len(prompt_ids)) - cached)
+        if cached and room >= 0 and not core.waiting and (best is None or (cached, room) > best):
+            best, chosen = (cached, room), i
+    if chosen is not None:
+        return chosen
+    return max(range(len(cores)), key=lambda i: _headroom(cores[i]))
+
+
+def _headroom(core: BatchScheduler) -> int:
     waiting_demand = sum(core.pool.blocks_for(s.num_tokens) for s in core.waiting)
     return core.pool.num_free - waiting_demand

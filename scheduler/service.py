@@ -51,7 +51,7 @@ class SchedulerService:
     def _admit(self, params: GenerateParams) -> tuple[WorkerLink, Sequence]:
         """Picks a worker and checks the request against it; raises what the caller sees."""
         _validate_shape(params)
-        link = self.pool.pick(params.model, params.version)
+        link = self.pool.pick(params.model, params.version, params.prompt_ids)
         if link is None:
             wanted = f"{params.model}:{params.version}" if params.version else params.model
             raise NoWorkerError(f"no ready worker serves model {wanted!r}")

@@ -20,7 +20,15 @@ from canteen.server import ServiceRuntime
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
 from worker.engine import MainThreadExecutor
-from worker.loader import ModelLoadError, load_model, pick_device, pick_dtype
+from worker.loader import LoadedModel, ModelLoadError, load_model, pick_device, pick_dtype
+from worker.memory import (
+    Baseline,
+    MemoryBudgetError,
+    PoolSize,
+    measure_baseline,
+    peak_bytes,
+    size_pool,
+)
 from worker.runner import ModelRunner, kv_bytes_per_block
 from worker.server import WorkerIdentity, WorkerServicer
 
@@ -51,14 +59,39 @@ async def fetch_record(
             delay = min(delay * 2, 5.0)
 
 
-def warm_up(runner: ModelRunner) -> None:
-    """One prefill and one decode step, so the first request does not pay for lazy init."""
-    n = min(runner.block_size * 2, runner.num_blocks * runner.block_size - 1)
-    blocks = tuple(range(min(runner.num_blocks, 3)))
-    seq = NewSequence("warm-up", tuple([1] * n), Sampling(temperature=0.0), blocks)
-    runner.step(StepPlan(0, (seq,), (ScheduledSequence("warm-up", n),)))
+def warm_up(runner: ModelRunner, num_tokens: int) -> None:
+    """Prefills ``num_tokens`` then decodes one, so lazy init and the peak happen now."""
+    seq = NewSequence(
+        "warm-up",
+        tuple([1] * num_tokens),
+        Sampling(temperature=0.0),
+        tuple(range(runner.blocks_for(num_tokens + 1))),
+    )
+    runner.step(StepPlan(0, (seq,), (ScheduledSequence("warm-up", num_tokens),)))
     runner.step(StepPlan(0, (), (ScheduledSequence("warm-up", 1),)))
     runner.step(StepPlan(0, dropped_seq_ids=("warm-up",)))
+
+
+def build_runner(
+    loaded: LoadedModel, config: WorkerConfig, baseline: Baseline, max_model_len: int
+) -> tuple[ModelRunner, PoolSize]:
+    """Warms up at the largest step on a scratch pool, then sizes the real pool from the peak."""
+    step_tokens = max(min(config.max_batched_tokens, max_model_len - 1), 1)
+    bs = config.block_size
+    scratch = ModelRunner(loaded, (step_tokens + 1 + bs - 1) // bs, bs, config.max_batched_tokens)
+    warm_up(scratch, step_tokens)
+    del scratch
+    size = size_pool(
+        baseline,
+        peak_bytes(loaded.device),
+        kv_bytes_per_block(loaded, bs),
+        memory_fraction=config.memory_fraction,
+        kv_cache_bytes=config.kv_cache_bytes,
+        num_blocks=config.num_kv_blocks,
+    )
+    runner = ModelRunner(loaded, size.num_blocks, bs, config.max_batched_tokens)
+    warm_up(runner, min(bs * 2, size.num_blocks * bs - 1))
+    return runner, size
 
 
 async def keep_lease(
@@ -93,6 +126,7 @@ async def load(
     """Loads, sizes the KV pool and warms up, all on the engine (main) thread."""
     loop = asyncio.get_running_loop()
     device = pick_device(config.device)
+    baseline = measure_baseline(device)
     log.info(
         "loading model",
         model=record.name,
@@ -110,18 +144,21 @@ async def load(
         pick_dtype(config.dtype, device),
         config.verify_checksum,
     )
-    per_block = kv_bytes_per_block(loaded, config.block_size)
-    num_blocks = config.num_kv_blocks or max(config.kv_cache_bytes // per_block, 1)
-    runner = await loop.run_in_executor(engine, ModelRunner, loaded, num_blocks, config.block_size)
-    await loop.run_in_executor(engine, warm_up, runner)
-    servicer.runner, servicer.bytes_per_block = runner, per_block
+    max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
+    runner, size = await loop.run_in_executor(
+        engine, build_runner, loaded, config, baseline, max_model_len
+    )
+    servicer.runner, servicer.pool_size = runner, size
     servicer.eos_token_ids = loaded.eos_token_ids
-    servicer.max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
+    servicer.max_model_len = max_model_len
     log.info(
         "ready",
-        num_blocks=num_blocks,
+        num_blocks=size.num_blocks,
         block_size=config.block_size,
-        bytes_per_block=per_block,
+        bytes_per_block=size.kv_bytes // size.num_blocks,
+        kv_cache_mib=round(size.kv_bytes / 2**20, 1),
+        peak_mib=round(size.peak_bytes / 2**20, 1),
+        budget_mib=round(size.budget_bytes / 2**20, 1),
         eos_token_ids=list(loaded.eos_token_ids),
     )
 
@@ -193,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     def run_loop() -> None:
         try:
             asyncio.run(serve(config, engine, runtimes))
-        except ModelLoadError as exc:
+        except (ModelLoadError, MemoryBudgetError) as exc:
             log.error("cannot load model", error=str(exc))
             exit_code[0] = 2
         except BaseException:

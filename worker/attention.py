@@ -7,9 +7,15 @@ over the blocks of that sequence:
     pool[layer] : [2, num_blocks, block_size, kv_heads, head_dim]
     slot s      : block s // block_size, offset s % block_size
 
-Decode tokens (one new token per sequence) are attended together, padded to the longest
+Decode tokens (one new token per sequence) are attended in groups, each padded to its longest
 context with a mask; prefill chunks are attended one sequence at a time with a causal mask
 offset by the tokens already in the cache.
+
+Transient memory is bounded whatever the batch: a decode group gathers at most the pool's
+block count (the runner groups sequences of similar length), and a prefill chunk over a long
+cached context is attended in query slices of at most ``max_scores`` query x key entries,
+the size of a fresh ``max_batched_tokens`` chunk. So the warm-up at the largest step is the
+peak (see worker/memory.py).
 """
 
 from __future__ import annotations
@@ -34,14 +40,22 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows attended together: ``block_tables`` padded, ``mask`` hides the padding."""
+
+    index: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass
 class PagedBatch:
     """What every layer needs to read and write the pool for one step."""
 
     kv_pool: torch.Tensor
     slot_mapping: torch.Tensor
-    decode_index: torch.Tensor | None = None
-    decode_block_tables: torch.Tensor | None = None
-    decode_mask: torch.Tensor | None = None
+    max_scores: int
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -72,10 +86,12 @@ def paged_attention(
     )
 
     out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, H, D]
-    if paged_batch.decode_index is not None:
-        _attend_decode(query, k_pool, v_pool, paged_batch, scaling, out)
+    for group in paged_batch.decodes:
+        _attend_decode(query, k_pool, v_pool, group, scaling, out)
     for span in paged_batch.prefills:
-        _attend_prefill(query, key, value, k_pool, v_pool, span, scaling, out)
+        _attend_prefill(
+            query, key, value, k_pool, v_pool, span, scaling, paged_batch.max_scores, out
+        )
     return out.unsqueeze(0), None
 
 
@@ -90,18 +106,17 @@ def _attend_decode(
     query: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    batch: PagedBatch,
+    group: DecodeGroup,
     scaling: float | None,
     out: torch.Tensor,
 ) -> None:
-    assert batch.decode_index is not None and batch.decode_block_tables is not None
-    q = query[0][:, batch.decode_index].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-    k = _gather(k_pool, batch.decode_block_tables)
-    v = _gather(v_pool, batch.decode_block_tables)
+    q = query[0][:, group.index].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+    k = _gather(k_pool, group.block_tables)
+    v = _gather(v_pool, group.block_tables)
     attn = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True
+        q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True
     )
-    out[batch.decode_index] = attn.squeeze(2)
+    out[group.index] = attn.squeeze(2)
 
 
 def _attend_prefill(
@@ -112,6 +127,7 @@ def _attend_prefill(
     v_pool: torch.Tensor,
     span: PrefillSpan,
     scaling: float | None,
+    max_scores: int,
     out: torch.Tensor,
 ) -> None:
     end = span.start + span.q_len
@@ -126,11 +142,16 @@ def _attend_prefill(
         k = _gather(k_pool, span.block_ids.unsqueeze(0))[:, :, : span.ctx_len]
         v = _gather(v_pool, span.block_ids.unsqueeze(0))[:, :, : span.ctx_len]
         offset = span.ctx_len - span.q_len
-        rows = torch.arange(span.q_len, device=q.device).unsqueeze(1) + offset
         cols = torch.arange(span.ctx_len, device=q.device).unsqueeze(0)
-        attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=cols <= rows, scale=scaling, enable_gqa=True
-        )
+        step = max(max_scores // span.ctx_len, 1)
+        for lo in range(0, span.q_len, step):
+            hi = min(lo + step, span.q_len)
+            rows = torch.arange(lo, hi, device=q.device).unsqueeze(1) + offset
+            attn = F.scaled_dot_product_attention(
+                q[:, :, lo:hi], k, v, attn_mask=cols <= rows, scale=scaling, enable_gqa=True
+            )
+            out[span.start + lo : span.start + hi] = attn[0].transpose(0, 1)
+        return
     out[span.start : end] = attn[0].transpose(0, 1)
 
 

@@ -21,7 +21,12 @@ class WorkerConfig:
     dtype: str = option("auto", "float32, bfloat16, float16 or auto (float32 on CPU)")
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: str = option("512MiB", "bytes of KV cache, e.g. 512MiB or 2GiB")
-    num_kv_blocks: int = option(0, "exact number of KV blocks (overrides --kv-cache-memory)")
+    memory_fraction: float = option(
+        0.0,
+        "share of device memory (CUDA) or available RAM (CPU) the worker may hold; the KV pool "
+        "gets what the weights and warm-up leave (overrides --kv-cache-memory; 0: off)",
+    )
+    num_kv_blocks: int = option(0, "exact number of KV blocks (overrides both above)")
     max_batched_tokens: int = option(2048, "most tokens one step computes")
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     worker_id: str = option("", "worker id (default: generated)")
@@ -54,6 +59,12 @@ class WorkerConfig:
             "device",
             self.device,
             "must be auto, cpu, cuda or cuda:N",
+        )
+        require(
+            0 <= self.memory_fraction <= 0.98,
+            "memory_fraction",
+            self.memory_fraction,
+            "must be in (0, 0.98], or 0 for --kv-cache-memory",
         )
         require(self.threads >= 0, "threads", self.threads, "must be >= 0")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")

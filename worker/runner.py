@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
-from worker.attention import PagedBatch, PrefillSpan
+from worker.attention import DecodeGroup, PagedBatch, PrefillSpan
 from worker.loader import LoadedModel
 from worker.sampler import sample
 
@@ -36,10 +36,13 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, block_size: int, max_batched_tokens: int
+    ) -> None:
         self.loaded = loaded
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.max_batched_tokens = max_batched_tokens
         self.kv_pool = torch.zeros(
             loaded.num_layers,
             2,
@@ -51,6 +54,9 @@ class ModelRunner:
             device=loaded.device,
         )
         self.sequences: dict[str, SequenceState] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
 
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
@@ -122,9 +128,7 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        decodes: list[tuple[int, list[int], int]] = []
         spans: list[tuple[int, int, int, list[int]]] = []
         bs = self.block_size
         for item in plan.scheduled:
@@ -135,9 +139,7 @@ class ModelRunner:
             pos.extend(range(start, end))
             slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
             if item.num_tokens == 1:
-                decode_rows.append(row)
-                decode_tables.append(seq.block_ids[: (end + bs - 1) // bs])
-                decode_lens.append(end)
+                decodes.append((row, seq.block_ids[: (end + bs - 1) // bs], end))
             else:
                 spans.append((row, item.num_tokens, end, seq.block_ids[: (end + bs - 1) // bs]))
             if end == len(seq.tokens):
@@ -146,22 +148,28 @@ class ModelRunner:
         batch = PagedBatch(
             kv_pool=self.kv_pool,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            max_scores=self.max_batched_tokens**2,
+            decodes=[self._decode_group(g) for g in group_decodes(decodes, self.num_blocks)],
             prefills=[
                 PrefillSpan(s, q, c, torch.tensor(b, dtype=torch.long, device=device))
                 for s, q, c, b in spans
             ],
         )
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            batch.decode_index = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            batch.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-            lens = torch.tensor(decode_lens, device=device)
-            keys = torch.arange(width * bs, device=device)
-            batch.decode_mask = (keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         positions = torch.tensor([pos], dtype=torch.long, device=device)
         return batch, input_ids, positions, sample_rows
+
+    def _decode_group(self, group: list[tuple[int, list[int], int]]) -> DecodeGroup:
+        device = self.loaded.device
+        width = max(len(table) for _, table, _ in group)
+        padded = [table + [0] * (width - len(table)) for _, table, _ in group]
+        lens = torch.tensor([n for _, _, n in group], device=device)
+        keys = torch.arange(width * self.block_size, device=device)
+        return DecodeGroup(
+            index=torch.tensor([row for row, _, _ in group], dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            mask=(keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :],
+        )
 
     def _sample_and_advance(
         self, plan: StepPlan, logits: torch.Tensor, sample_rows: list[int]
@@ -184,3 +192,23 @@ class ModelRunner:
             seq.tokens.append(token)
             out.append(SampledToken(seq.seq_id, token, logprob))
         return out
+
+
+def group_decodes(
+    decodes: list[tuple[int, list[int], int]], max_blocks: int
+) -> list[list[tuple[int, list[int], int]]]:
+    """Splits (row, block table, length) entries into groups that gather <= max_blocks blocks.
+
+    Entries are sorted by table length, so each group pads little; a group's cost is its size
+    times its longest table.
+    """
+    groups: list[list[tuple[int, list[int], int]]] = []
+    current: list[tuple[int, list[int], int]] = []
+    for entry in sorted(decodes, key=lambda e: len(e[1])):
+        if current and (len(current) + 1) * len(entry[1]) > max_blocks:
+            groups.append(current)
+            current = []
+        current.append(entry)
+    if current:
+        groups.append(current)
+    return groups

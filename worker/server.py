@@ -12,6 +12,7 @@ import grpc
 from canteen.logging import get_logger
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan, StepResult
 from canteen.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker.memory import PoolSize
 from worker.runner import ModelRunner, PlanError
 
 log = get_logger(__name__)
@@ -70,7 +71,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.runner: ModelRunner | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.max_model_len = 0
-        self.bytes_per_block = 0
+        self.pool_size: PoolSize | None = None
         # The forward pass runs here (the main thread), never on the event loop.
         self._engine = engine
         self.idle = asyncio.Event()
@@ -84,17 +85,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
-        if self.runner is None:
+        if self.runner is None or self.pool_size is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-        assert self.runner is not None
-        i = self.identity
+        assert self.runner is not None and self.pool_size is not None
+        i, size = self.identity, self.pool_size
         return worker_pb2.WorkerInfo(
             worker_id=i.worker_id,
             model=i.model,
             version=i.version,
             num_blocks=self.runner.num_blocks,
             block_size=self.runner.block_size,
-            bytes_per_block=self.bytes_per_block,
+            bytes_per_block=size.kv_bytes // size.num_blocks,
+            kv_cache_bytes=size.kv_bytes,
+            memory_budget_bytes=size.budget_bytes,
+            peak_bytes_before_kv=size.peak_bytes,
             max_model_len=self.max_model_len,
             eos_token_ids=self.eos_token_ids,
             device=i.device,

@@ -52,6 +52,9 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    PEAK_BYTES_BEFORE_KV_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id, unique per process."""
     model: _builtins.str
@@ -70,6 +73,12 @@ class WorkerInfo(_message.Message):
     """Device the model runs on ("cpu", "cuda:0")."""
     max_batched_tokens: _builtins.int
     """Most tokens one step may compute."""
+    kv_cache_bytes: _builtins.int
+    """Bytes of the KV pool (num_blocks * bytes_per_block)."""
+    memory_budget_bytes: _builtins.int
+    """Memory the worker stays under: device memory on CUDA, resident set on CPU."""
+    peak_bytes_before_kv: _builtins.int
+    """What the weights and the warm-up at the largest step took."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model."""
@@ -87,10 +96,13 @@ class WorkerInfo(_message.Message):
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         device: _builtins.str = ...,
         max_batched_tokens: _builtins.int = ...,
+        kv_cache_bytes: _builtins.int = ...,
+        memory_budget_bytes: _builtins.int = ...,
+        peak_bytes_before_kv: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "eos_token_ids", b"eos_token_ids", "max_batched_tokens", b"max_batched_tokens", "max_model_len", b"max_model_len", "model", b"model", "num_blocks", b"num_blocks", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "peak_bytes_before_kv", b"peak_bytes_before_kv", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,8 +6,8 @@ import concurrent.futures
 from pathlib import Path
 
 from canteen.v1 import common_pb2, inference_pb2
-from tests.integration import reference
 from tests.integration.conftest import TinySuite
+from tests.support import reference
 
 PROMPTS = [
     "The capital of France is",
