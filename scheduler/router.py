@@ -44,16 +44,21 @@ class WorkerPool:
         self._connecting: set[str] = set()
         self._was_ready = False
 
-    def pick(self, model: str, version: str, prompt_ids: list[int]) -> WorkerLink | None:
-        candidates = [
+    def serving(self, model: str, version: str) -> list[WorkerLink]:
+        """Ready workers of the model (of that version, when given)."""
+        return [
             link
             for link in self.links.values()
             if link.is_ready
             and link.desc.model == model
             and (not version or link.desc.version == version)
         ]
+
+    @staticmethod
+    def pick(candidates: list[WorkerLink], prompt_ids: list[int]) -> WorkerLink:
         chosen = pick_worker([link.core for link in candidates], prompt_ids)
-        return None if chosen is None else candidates[chosen]
+        assert chosen is not None, "pick needs at least one candidate"
+        return candidates[chosen]
 
     @property
     def num_waiting(self) -> int:

@@ -51,22 +51,16 @@ class SchedulerService:
     def _admit(self, params: GenerateParams) -> tuple[WorkerLink, Sequence]:
         """Picks a worker and checks the request against it; raises what the caller sees."""
         _validate_shape(params)
-        link = self.pool.pick(params.model, params.version, params.prompt_ids)
-        if link is None:
+        candidates = self.pool.serving(params.model, params.version)
+        if not candidates:
             wanted = f"{params.model}:{params.version}" if params.version else params.model
             raise NoWorkerError(f"no ready worker serves model {wanted!r}")
-        desc = link.desc
         total = len(params.prompt_ids) + params.max_tokens
-        if total > desc.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(params.prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                f"= {total} exceeds the model's context of {desc.max_model_len} tokens"
-            )
-        if link.core.pool.blocks_for(total) > desc.num_blocks:
-            raise InvalidRequestError(
-                f"prompt + max_tokens = {total} tokens needs "
-                f"{link.core.pool.blocks_for(total)} KV blocks; the worker has {desc.num_blocks}"
-            )
+        fitting = [link for link in candidates if _fits(link, total)]
+        if not fitting:
+            raise InvalidRequestError(_never_fits(params, max(candidates, key=_capacity)))
+        link = self.pool.pick(fitting, params.prompt_ids)
+        desc = link.desc
         if self.pool.num_waiting >= self.max_queue:
             raise QueueFullError(
                 f"the waiting queue is full ({self.max_queue} requests); retry later"
@@ -118,6 +112,35 @@ class SchedulerService:
                     request_id=params.request_id,
                     num_output_tokens=len(seq.output_ids),
                 )
+
+
+def _capacity(link: WorkerLink) -> tuple[int, int]:
+    return min(
+        link.desc.max_model_len, link.desc.num_blocks * link.desc.block_size
+    ), link.desc.num_blocks
+
+
+def _fits(link: WorkerLink, total_tokens: int) -> bool:
+    desc = link.desc
+    return (
+        total_tokens <= desc.max_model_len
+        and link.core.pool.blocks_for(total_tokens) <= desc.num_blocks
+    )
+
+
+def _never_fits(params: GenerateParams, link: WorkerLink) -> str:
+    """Why the request fits no worker, told with the largest worker's numbers."""
+    desc = link.desc
+    total = len(params.prompt_ids) + params.max_tokens
+    if total > desc.max_model_len:
+        return (
+            f"prompt ({len(params.prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"= {total} exceeds the model's context of {desc.max_model_len} tokens"
+        )
+    return (
+        f"prompt + max_tokens = {total} tokens needs {link.core.pool.blocks_for(total)} KV "
+        f"blocks; the largest worker has {desc.num_blocks}"
+    )
 
 
 def _validate_shape(params: GenerateParams) -> None:

@@ -93,4 +93,4 @@ def test_request_that_can_never_fit_the_pool_fails_at_once(suite: TinySuite) -> 
     with pytest.raises(grpc.RpcError) as info:
         list(suite.inference.Generate(request, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "needs 113 KV blocks; the worker has 96" in info.value.details()
+    assert "needs 113 KV blocks; the largest worker has 96" in info.value.details()
