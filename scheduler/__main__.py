@@ -10,6 +10,7 @@ from canteen.logging import configure_logging
 from canteen.server import ServiceRuntime
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
+from scheduler.link import LinkSettings
 from scheduler.router import WorkerPool
 from scheduler.server import SchedulerServicer
 from scheduler.service import SchedulerService
@@ -19,7 +20,8 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 async def serve(config: SchedulerConfig) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
-    pool = WorkerPool(config.registry, config.max_num_seqs, runtime.set_ready, config.prefix_cache)
+    settings = LinkSettings(config.max_num_seqs, config.prefix_cache, config.max_step_stall)
+    pool = WorkerPool(config.registry, settings, runtime.set_ready)
     service = SchedulerService(pool, config.max_queue)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), runtime.server)
     await runtime.start([SERVICE_NAME])

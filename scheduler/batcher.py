@@ -4,7 +4,9 @@ the worker's result.
 Each step, under a token budget and a cap on running sequences:
 
     1. decode: every running sequence with one token to compute gets it
-    2. prefill chunks of running sequences that are still reading their prompt
+    2. prefill chunks of running sequences that are still reading their prompt; while
+       sequences decode, prefill is also held to what keeps the step within
+       ``max_step_stall`` decode-only steps (scheduler/cost.py)
     3. admission: waiting sequences (highest priority first, then oldest) while their
        next chunk's blocks plus a watermark are free
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
+from scheduler.cost import StepCostModel
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
 
 
@@ -34,6 +37,10 @@ class BatchLimits:
     """Most sequences in the running batch."""
     watermark_blocks: int = 1
     """Free blocks kept back at admission so running sequences can grow."""
+    max_step_stall: float = 0.0
+    """While sequences decode, prefill may stretch a step to this many decode-only steps."""
+    min_prefill_chunk: int = 16
+    """Prefill tokens a step with decodes may always carry, so long prompts progress."""
 
     def __post_init__(self) -> None:
         if self.max_batched_tokens < 1:
@@ -42,6 +49,8 @@ class BatchLimits:
             raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.watermark_blocks < 0:
             raise ValueError(f"watermark_blocks={self.watermark_blocks}: must be >= 0")
+        if self.max_step_stall and self.max_step_stall < 1:
+            raise ValueError(f"max_step_stall={self.max_step_stall}: must be >= 1 or 0")
 
 
 class BatchScheduler:
@@ -57,6 +66,11 @@ class BatchScheduler:
         self._pending_drops: list[str] = []
         self._in_flight: StepPlan | None = None
         self._admit_counter = 0
+        self.cost = (
+            StepCostModel(limits.max_step_stall, limits.min_prefill_chunk)
+            if limits.max_step_stall
+            else None
+        )
 
     # -- requests in and out -------------------------------------------------------------
 
@@ -108,19 +122,10 @@ class BatchScheduler:
         chosen: list[tuple[Sequence, int]] = []
         in_plan: set[int] = set()
         by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
-        for seq in [s for s in by_importance if s.is_decoding] + [
-            s for s in by_importance if not s.is_decoding
-        ]:
-            if budget == 0:
-                break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted while making room for another
-            n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed + n, in_plan):
-                continue
-            chosen.append((seq, n))
-            in_plan.add(id(seq))
-            budget -= n
+        budget = self._run([s for s in by_importance if s.is_decoding], budget, chosen, in_plan)
+        if chosen and self.cost is not None:
+            budget = min(budget, self.cost.prefill_budget(len(chosen)))
+        budget = self._run([s for s in by_importance if not s.is_decoding], budget, chosen, in_plan)
         budget = self._admit(budget, chosen)
         drops, self._pending_drops = tuple(self._pending_drops), []
         if not chosen and not drops:
@@ -135,6 +140,8 @@ class BatchScheduler:
         plan, self._in_flight = self._in_flight, None
         if plan is None or plan.step_id != result.step_id:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
+        if self.cost is not None and result.total_ns > 0 and plan.scheduled:
+            self.cost.observe(plan.num_tokens, result.total_ns / 1e9)
         by_id = {s.request_id: s for s in self.running}
         for item in plan.scheduled:
             seq = by_id.get(item.seq_id)
@@ -148,6 +155,27 @@ class BatchScheduler:
         return events
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _run(
+        self,
+        seqs: list[Sequence],
+        budget: int,
+        chosen: list[tuple[Sequence, int]],
+        in_plan: set[int],
+    ) -> int:
+        """Schedules running sequences' next tokens within ``budget``; returns what is left."""
+        for seq in seqs:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted while making room for another
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + n, in_plan):
+                continue
+            chosen.append((seq, n))
+            in_plan.add(id(seq))
+            budget -= n
+        return budget
 
     def _on_token(self, seq: Sequence, token: SampledToken) -> SeqEvent:
         if seq.is_cancel_requested:

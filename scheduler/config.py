@@ -19,10 +19,21 @@ class SchedulerConfig:
     )
     max_num_seqs: int = option(256, "most sequences in one worker's running batch")
     prefix_cache: bool = option(True, "share the KV of common prompt prefixes across requests")
+    max_step_stall: float = option(
+        2.0,
+        "while streams decode, a step carrying prefill may take at most this many times a "
+        "decode-only step (learned from step timings); 0: only --max-batched-tokens bounds it",
+    )
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
         require(self.max_queue >= 1, "max_queue", self.max_queue, "must be >= 1")
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        require(
+            self.max_step_stall == 0 or self.max_step_stall >= 1,
+            "max_step_stall",
+            self.max_step_stall,
+            "must be >= 1, or 0 for off",
+        )
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")

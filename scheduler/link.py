@@ -23,6 +23,15 @@ log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
+class LinkSettings:
+    """What the scheduler's flags set for every worker's batch."""
+
+    max_num_seqs: int = 256
+    enable_prefix_cache: bool = True
+    max_step_stall: float = 0.0  # 0: prefill chunks bounded by max_batched_tokens only
+
+
+@dataclass(frozen=True)
 class WorkerDescription:
     worker_id: str
     address: str
@@ -54,17 +63,20 @@ class WorkerLink:
         self,
         desc: WorkerDescription,
         channel: grpc.aio.Channel,
-        max_num_seqs: int,
-        enable_prefix_cache: bool = True,
+        settings: LinkSettings,
     ) -> None:
         self.desc = desc
         self._channel = channel
         self._stub = worker_pb2_grpc.WorkerStub(channel)
-        limits = BatchLimits(max_batched_tokens=desc.max_batched_tokens, max_num_seqs=max_num_seqs)
+        limits = BatchLimits(
+            max_batched_tokens=desc.max_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            max_step_stall=settings.max_step_stall,
+        )
         pool = BlockPool(
             desc.num_blocks,
             desc.block_size,
-            enable_prefix_cache,
+            settings.enable_prefix_cache,
             cache_salt=f"{desc.model}:{desc.version}",
         )
         self.core = BatchScheduler(pool, limits)

@@ -22,7 +22,7 @@ from canteen.logging import get_logger
 from canteen.streams import follow_stream
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler
-from scheduler.link import WorkerLink, describe
+from scheduler.link import LinkSettings, WorkerLink, describe
 
 log = get_logger(__name__)
 
@@ -31,13 +31,11 @@ class WorkerPool:
     def __init__(
         self,
         registry_address: str,
-        max_num_seqs: int,
+        settings: LinkSettings,
         on_ready_change: Callable[[bool], Awaitable[None]],
-        enable_prefix_cache: bool = True,
     ) -> None:
-        self._enable_prefix_cache = enable_prefix_cache
+        self._settings = settings
         self._registry_address = registry_address
-        self._max_num_seqs = max_num_seqs
         self._on_ready_change = on_ready_change
         self.links: dict[str, WorkerLink] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -98,9 +96,7 @@ class WorkerPool:
             return
         finally:
             self._connecting.discard(entry.worker_id)
-        link = WorkerLink(
-            describe(info, entry.address), channel, self._max_num_seqs, self._enable_prefix_cache
-        )
+        link = WorkerLink(describe(info, entry.address), channel, self._settings)
         self.links[entry.worker_id] = link
         log.info(
             "worker connected",

@@ -33,7 +33,7 @@ def two(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "--default-model",
             "tiny",
         )
-        scheduler = s.start_scheduler(registry, "--max-queue", "2")
+        scheduler = s.start_scheduler(registry, "--max-queue", "2", "--max-num-seqs", "1")
         worker = s.start_worker(
             registry, "tiny", "--num-kv-blocks", str(SMALL), *WORKER_ARGS, name="worker-a"
         )
@@ -97,7 +97,8 @@ def test_a_request_too_big_for_one_worker_goes_to_the_one_it_fits(two: TinySuite
 
 
 def test_a_full_queue_answers_resource_exhausted_at_once(two: TinySuite) -> None:
-    # Each request needs 45 blocks: only worker-b can hold one, and only one at a time.
+    # Each request needs 45 blocks, so only worker-b takes them, and it runs one at a time
+    # (--max-num-seqs 1): the second and third wait, the fourth finds the queue full.
     request = inference_pb2.GenerateRequest(
         prompt="a " * 60, max_tokens=45 * BLOCK - 60, temperature=0, ignore_eos=True
     )

@@ -1,0 +1,54 @@
+"""How long a worker's step takes, learned from its results, and the prefill it can afford.
+
+A step's time is close to linear in the tokens it computes: ``t(n) = a + b * n``. The fit is
+a least-squares line over exponentially decayed sums of the recent steps, so it follows the
+worker as load and the machine change. While sequences decode, the prefill chunk riding
+along is sized so the step takes at most ``max_stall`` times a decode-only step; that is what
+keeps a long prompt from freezing the streams already running (Sarathi-style chunking, but
+with the budget learned rather than configured).
+"""
+
+from __future__ import annotations
+
+DECAY = 0.97  # weight kept by the sums per step: about the last 30 steps count
+MIN_SPREAD = 4.0  # tokens of standard deviation in n before the slope is trusted
+
+
+class StepCostModel:
+    def __init__(self, max_stall: float, min_chunk: int) -> None:
+        if max_stall < 1:
+            raise ValueError(f"max_stall={max_stall}: must be >= 1")
+        if min_chunk < 1:
+            raise ValueError(f"min_chunk={min_chunk}: must be >= 1")
+        self.max_stall = max_stall
+        self.min_chunk = min_chunk
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = DECAY
+        self._w = self._w * d + 1
+        self._n = self._n * d + num_tokens
+        self._t = self._t * d + seconds
+        self._nn = self._nn * d + num_tokens * num_tokens
+        self._nt = self._nt * d + num_tokens * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of t = a + b * n, or None until steps of different sizes were seen."""
+        if self._w < 2:
+            return None
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var_n = self._nn / self._w - mean_n * mean_n
+        if var_n < MIN_SPREAD**2:
+            return None
+        slope = (self._nt / self._w - mean_n * mean_t) / var_n
+        slope = max(slope, 1e-9)
+        return max(mean_t - slope * mean_n, 0.0), slope
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prefill tokens a step with ``num_decodes`` decodes may add within the stall bound."""
+        fitted = self.fit()
+        if fitted is None:
+            return self.min_chunk  # small probes until the line is known
+        a, b = fitted
+        target = self.max_stall * (a + b * num_decodes)
+        return max(int((target - a) / b) - num_decodes, self.min_chunk)

@@ -1,0 +1,81 @@
+"""The learned step cost and the prefill it leaves room for while streams decode."""
+
+from __future__ import annotations
+
+import pytest
+
+from canteen.plan import StepPlan, StepResult
+from scheduler.batcher import BatchLimits, BatchScheduler
+from scheduler.blocks import BlockPool
+from scheduler.cost import StepCostModel
+from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq, scheduled
+
+A, B = 0.040, 0.002  # 40 ms per step plus 2 ms per token: a CPU-like worker
+
+
+def seconds(num_tokens: int) -> float:
+    return A + B * num_tokens
+
+
+def test_the_fit_recovers_the_line_and_sizes_the_chunk() -> None:
+    model = StepCostModel(max_stall=2.0, min_chunk=16)
+    assert model.prefill_budget(8) == 16  # nothing known yet: small probes
+    for n in [8, 8, 24, 8, 40, 8, 72, 8]:
+        model.observe(n, seconds(n))
+    fitted = model.fit()
+    assert fitted is not None
+    assert fitted[0] == pytest.approx(A) and fitted[1] == pytest.approx(B)
+    # 2 x (40 + 2*8) ms = 112 ms allows 36 tokens, 28 beyond the 8 decodes.
+    assert model.prefill_budget(8) == 28
+
+
+def test_steps_of_one_size_never_claim_a_slope() -> None:
+    model = StepCostModel(max_stall=3.0, min_chunk=4)
+    for _ in range(50):
+        model.observe(8, 0.05)
+    assert model.fit() is None and model.prefill_budget(8) == 4
+
+
+def test_a_bad_stall_bound_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"max_stall=0.5: must be >= 1"):
+        StepCostModel(0.5, 16)
+
+
+class TimedWorker(FakeWorker):
+    def step(self, plan: StepPlan) -> StepResult:
+        result = super().step(plan)
+        return StepResult(
+            result.step_id,
+            result.tokens,
+            result.num_tokens,
+            total_ns=int(seconds(plan.num_tokens) * 1e9),
+        )
+
+
+def test_a_long_prompt_never_stretches_a_decode_step_past_the_bound() -> None:
+    limits = BatchLimits(
+        max_batched_tokens=512, max_num_seqs=16, max_step_stall=2.0, min_prefill_chunk=8
+    )
+    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
+    worker = TimedWorker(400)
+    streams = [make_seq(f"s{i}", prompt_len=4, max_tokens=200) for i in range(8)]
+    for s in streams:
+        sched.add(s)
+    for _ in range(5):
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    long = make_seq("long", prompt_len=600, max_tokens=4)
+    sched.add(long)
+    decode_only = seconds(8)
+    worst = 0.0
+    while long.num_computed < 600:
+        plan = sched.schedule()
+        assert plan is not None and all(scheduled(plan)[s.request_id] == 1 for s in streams)
+        worst = max(worst, seconds(plan.num_tokens) / decode_only)
+        sched.update(worker.step(plan))
+    # Probing chunks first, then chunks sized from the learned line: never above 2x.
+    assert worst <= 2.0 + 1e-9
+    assert len(worker.plans) < 5 + 600 // 8  # it did learn: chunks grew past the probe size
+    while sched.has_work:
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    assert long.output_ids == expected_tokens(long.prompt_ids, 4)
+    assert streams[0].output_ids == expected_tokens(streams[0].prompt_ids, 200)
