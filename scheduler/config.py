@@ -20,7 +20,7 @@ class SchedulerConfig:
     max_num_seqs: int = option(256, "most sequences in one worker's running batch")
     prefix_cache: bool = option(True, "share the KV of common prompt prefixes across requests")
     max_step_stall: float = option(
-        2.0,
+        1.5,
         "while streams decode, a step carrying prefill may take at most this many times a "
         "decode-only step (learned from step timings); 0: only --max-batched-tokens bounds it",
     )

