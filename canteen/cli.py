@@ -10,6 +10,7 @@ import sys
 import grpc
 
 from canteen.launcher import Launcher, SuiteLayout
+from canteen.models import MAX_ALIAS_WEIGHT
 from canteen.v1 import (
     common_pb2,
     inference_pb2,
@@ -72,6 +73,56 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_targets(text: str) -> list[tuple[str, int]]:
+    """``V1=90,V2=10`` to ``[("V1", 90), ("V2", 10)]``; argparse reports the error."""
+    targets: list[tuple[str, int]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        version, sep, weight = item.partition("=")
+        if not sep or not version or not weight.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"{item!r}: use VERSION=WEIGHT, e.g. v1=90,v2=10")
+        value = int(weight)
+        if not 1 <= value <= MAX_ALIAS_WEIGHT:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: weight={value} must be in 1..{MAX_ALIAS_WEIGHT}"
+            )
+        targets.append((version.strip(), value))
+    if not targets:
+        raise argparse.ArgumentTypeError("--to needs at least one VERSION=WEIGHT")
+    return targets
+
+
+def format_alias(alias: registry_pb2.Alias) -> str:
+    total = sum(t.weight for t in alias.targets) or 1
+    shares = ", ".join(
+        f"{alias.model}:{t.version}={t.weight} ({100 * t.weight / total:.1f}%)"
+        for t in alias.targets
+    )
+    return f"alias {alias.name} -> {shares}"
+
+
+async def _list_models(stub: registry_pb2_grpc.RegistryStub) -> None:
+    listing = await stub.ListModels(registry_pb2.ListModelsRegistryRequest(), timeout=10)
+    for m in listing.models:
+        mark = "*" if m.name == listing.default_model else " "
+        print(f"{mark} {m.name}:{m.version}  max_model_len={m.max_model_len}  {m.path}")
+    for alias in listing.aliases:
+        print(format_alias(alias))
+
+
+async def _alias(stub: registry_pb2_grpc.RegistryStub, args: argparse.Namespace) -> None:
+    if args.delete:
+        await stub.DeleteAlias(registry_pb2.DeleteAliasRequest(name=args.name), timeout=10)
+        print(f"deleted alias {args.name}")
+        return
+    alias = registry_pb2.Alias(
+        name=args.name,
+        model=args.model or args.name,
+        targets=[registry_pb2.AliasTarget(version=v, weight=w) for v, w in args.to],
+    )
+    stored = await stub.SetAlias(registry_pb2.SetAliasRequest(alias=alias), timeout=10)
+    print(format_alias(stored))
+
+
 async def _models(args: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(args.registry) as channel:
         stub = registry_pb2_grpc.RegistryStub(channel)
@@ -82,17 +133,40 @@ async def _models(args: argparse.Namespace) -> int:
                 )
                 added = await stub.AddModel(registry_pb2.AddModelRequest(model=record), timeout=120)
                 print(f"added {added.name}:{added.version} sha256={added.sha256}")
+            elif args.models_command == "alias":
+                await _alias(stub, args)
             else:
-                listing = await stub.ListModels(
-                    registry_pb2.ListModelsRegistryRequest(), timeout=10
-                )
-                for m in listing.models:
-                    mark = "*" if m.name == listing.default_model else " "
-                    print(f"{mark} {m.name}:{m.version}  max_model_len={m.max_model_len}  {m.path}")
+                await _list_models(stub)
         except grpc.aio.AioRpcError as exc:
             print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0
+
+
+def _add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    models = sub.add_parser("models", help="manage model records and aliases in the registry")
+    models.add_argument("--registry", default=os.environ.get("CANTEEN_REGISTRY", "127.0.0.1:50053"))
+    msub = models.add_subparsers(dest="models_command", required=True)
+    add = msub.add_parser("add", help="register a model version")
+    add.add_argument("path")
+    add.add_argument("--name", required=True)
+    add.add_argument("--version", required=True)
+    msub.add_parser("list", help="list model versions and aliases")
+    alias = msub.add_parser(
+        "alias",
+        help="split a name's traffic across versions by weight",
+        description="Requests naming NAME go to the --to versions in proportion to their "
+        "weights; NAME:VERSION still pins one version.",
+    )
+    alias.add_argument("name", metavar="NAME", help="the name requests send")
+    alias.add_argument(
+        "--model", default="", help="the model whose versions --to names (default: NAME)"
+    )
+    action = alias.add_mutually_exclusive_group(required=True)
+    action.add_argument(
+        "--to", type=parse_targets, metavar="V1=90,V2=10", help="versions and weights (1..10000)"
+    )
+    action.add_argument("--delete", action="store_true", help="remove the alias")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,14 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", default="")
     gen.add_argument("--timeout", type=float, default=None)
 
-    models = sub.add_parser("models", help="manage model records in the registry")
-    models.add_argument("--registry", default=os.environ.get("CANTEEN_REGISTRY", "127.0.0.1:50053"))
-    msub = models.add_subparsers(dest="models_command", required=True)
-    add = msub.add_parser("add", help="register a model version")
-    add.add_argument("path")
-    add.add_argument("--name", required=True)
-    add.add_argument("--version", required=True)
-    msub.add_parser("list", help="list model versions")
+    _add_models_parser(sub)
     return parser
 
 

@@ -27,6 +27,7 @@ class SuiteLayout:
     db: str = ""
     worker_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
+    http_port: int = 8080  # the gateway's OpenAI-compatible HTTP API; -1: off
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_workers <= 64:
@@ -117,6 +118,8 @@ def plan_children(layout: SuiteLayout) -> list[Child]:
                 "gateway",
                 "--port",
                 str(layout.gateway_port),
+                "--http-port",
+                str(layout.http_port),
                 "--host",
                 layout.host,
                 "--scheduler",

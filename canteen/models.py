@@ -14,6 +14,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_VERSION = "q4_1"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
+# The largest weight one alias target may carry (the CLI and the registry both check it).
+MAX_ALIAS_WEIGHT = 10_000
 
 
 def default_model_path() -> Path | None:

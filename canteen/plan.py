@@ -18,6 +18,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    top_logprobs: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -57,6 +58,7 @@ class SampledToken:
     seq_id: str
     token_id: int
     logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # most likely (token, logprob), when asked
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import os
 import sys
 
 import grpc
+from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from canteen.config import parse_config
@@ -18,6 +19,7 @@ from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, schedul
 from gateway.auth import ApiKeys
 from gateway.catalog import ModelCatalog
 from gateway.config import GatewayConfig
+from gateway.http import HttpEdge, start_http
 from gateway.server import InferenceServicer
 from gateway.service import InferenceService
 from gateway.tokenizers import TokenizerCache
@@ -79,6 +81,13 @@ async def serve(config: GatewayConfig) -> None:
         InferenceServicer(service, keys), runtime.server
     )
     await runtime.start([SERVICE_NAME])
+    edge = HttpEdge(service, keys, config.max_body_bytes)
+    http = await start_http(edge, host, config.http_port) if config.http_port >= 0 else None
+
+    async def drain_http() -> None:
+        edge.is_draining = True  # new HTTP requests get 503; streams already running go on
+
+    runtime.on_drain(drain_http)
     watcher = asyncio.create_task(catalog.watch_forever())
 
     async def preload_default() -> None:
@@ -93,9 +102,19 @@ async def serve(config: GatewayConfig) -> None:
     preload = asyncio.ensure_future(preload_default())
     health = asyncio.create_task(follow_scheduler(config.scheduler, runtime, preload))
     await runtime.wait()
+    if http is not None:
+        await _finish_http(edge, http, config.grace)
     for task in (watcher, health, preload):
         task.cancel()
     await channel.close()
+
+
+async def _finish_http(edge: HttpEdge, runner: web.AppRunner, grace: float) -> None:
+    """Lets HTTP streams in flight finish within the grace period, then closes the port."""
+    deadline = asyncio.get_running_loop().time() + grace
+    while edge.in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:

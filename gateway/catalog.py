@@ -1,8 +1,18 @@
-"""The gateway's cached view of the registry's models, kept fresh by its watch stream."""
+"""The gateway's cached view of the registry's models and aliases, kept fresh by its watch
+stream (no polling).
+
+    requested          resolves to
+    ""                 the default model's name, then as below
+    "name:version"     exactly that version
+    "name" (alias)     one of the alias's versions, drawn by weight
+    "name"             the model's latest version
+"""
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import random
 from dataclasses import dataclass
 
 from canteen.logging import get_logger
@@ -25,6 +35,20 @@ class ModelVersion:
         return f"{self.name}:{self.version}"
 
 
+@dataclass(frozen=True)
+class WeightedRoute:
+    """An alias ready to draw from: its versions and the running sums of their weights."""
+
+    name: str
+    targets: tuple[ModelVersion, ...]
+    cum_weights: tuple[int, ...]
+
+    def pick(self, rng: random.Random) -> ModelVersion:
+        # integer draw: exact shares, no float rounding at the edges
+        point = rng.randrange(self.cum_weights[-1])
+        return self.targets[bisect.bisect_right(self.cum_weights, point)]
+
+
 class UnknownModelError(LookupError):
     pass
 
@@ -36,26 +60,38 @@ _FORMATS = {
 
 
 class ModelCatalog:
-    def __init__(self, registry_address: str) -> None:
+    def __init__(self, registry_address: str, rng: random.Random | None = None) -> None:
         self._address = registry_address
+        self._rng = rng or random.Random()
         self._latest: dict[str, ModelVersion] = {}
         self._versions: dict[str, ModelVersion] = {}
+        self._routes: dict[str, WeightedRoute] = {}
         self.default_model = ""
         self.loaded = asyncio.Event()
 
     def models(self) -> list[ModelVersion]:
         return sorted(self._latest.values(), key=lambda m: m.name)
 
+    def aliases(self) -> list[WeightedRoute]:
+        return sorted(self._routes.values(), key=lambda r: r.name)
+
     def resolve(self, requested: str) -> ModelVersion:
         """A name, ``name:version`` or empty (the default model) to one model version."""
         wanted = requested or self.default_model
-        found = self._versions.get(wanted) if ":" in wanted else self._latest.get(wanted)
+        if ":" in wanted:
+            found = self._versions.get(wanted)
+        elif (route := self._routes.get(wanted)) is not None:
+            found = route.pick(self._rng)
+        else:
+            found = self._latest.get(wanted)
         if found is None:
-            known = ", ".join(m.name for m in self.models()) or "none"
+            names = sorted({*self._latest, *self._routes})
+            known = ", ".join(names) or "none"
             raise UnknownModelError(f"model {wanted!r} is not registered (available: {known})")
         return found
 
-    def _apply(self, msg: registry_pb2.ListModelsRegistryResponse) -> None:
+    def apply(self, msg: registry_pb2.ListModelsRegistryResponse) -> None:
+        """Replaces the cached table with one snapshot from the registry."""
         latest: dict[str, ModelVersion] = {}
         versions: dict[str, ModelVersion] = {}
         for record in msg.models:  # ordered by name, then creation time
@@ -68,10 +104,12 @@ class ModelCatalog:
             )
             latest[model.name] = model
             versions[model.ref] = model
-        self._latest, self._versions = latest, versions
+        routes = {a.name: r for a in msg.aliases if (r := _route(a, versions)) is not None}
+        self._latest, self._versions, self._routes = latest, versions, routes
         self.default_model = msg.default_model
 
     async def watch_forever(self) -> None:
+        """Follows the registry's model watch for the life of the gateway."""
         await follow_stream(
             self._address,
             lambda channel: registry_pb2_grpc.RegistryStub(channel).WatchModels(
@@ -82,5 +120,23 @@ class ModelCatalog:
         )
 
     async def _on_models(self, msg: registry_pb2.ListModelsRegistryResponse) -> None:
-        self._apply(msg)
+        self.apply(msg)
         self.loaded.set()
+
+
+def _route(alias: registry_pb2.Alias, versions: dict[str, ModelVersion]) -> WeightedRoute | None:
+    """The alias's drawable form; targets the snapshot lacks are left out (and logged)."""
+    targets: list[ModelVersion] = []
+    cum_weights: list[int] = []
+    for target in alias.targets:
+        model = versions.get(f"{alias.model}:{target.version}")
+        if model is None or target.weight <= 0:
+            log.warning(
+                "alias target skipped", alias=alias.name, model=alias.model, version=target.version
+            )
+            continue
+        targets.append(model)
+        cum_weights.append((cum_weights[-1] if cum_weights else 0) + target.weight)
+    if not targets:
+        return None
+    return WeightedRoute(alias.name, tuple(targets), tuple(cum_weights))

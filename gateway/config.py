@@ -13,6 +13,8 @@ class GatewayConfig:
 
     host: str = option("", "interface to bind (default 127.0.0.1, or 0.0.0.0 with API keys)")
     port: int = option(50051, "gRPC port of canteen.v1.Inference")
+    http_port: int = option(8080, "port of the OpenAI-compatible HTTP API (-1: off)")
+    max_body_bytes: int = option(4 * 1024 * 1024, "largest HTTP request body, in bytes")
     scheduler: str = option("127.0.0.1:50052", "scheduler address")
     registry: str = option("127.0.0.1:50053", "registry address")
     api_keys_file: str = option("", "file with one API key per line")
@@ -25,6 +27,12 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(
+            -1 <= self.http_port <= 65535, "http_port", self.http_port, "must be in 0..65535 or -1"
+        )
+        require(
+            self.max_body_bytes >= 1024, "max_body_bytes", self.max_body_bytes, "must be >= 1024"
+        )
         for name in ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_length"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")

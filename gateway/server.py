@@ -49,6 +49,7 @@ def input_from_pb(msg: inference_pb2.GenerateRequest, request_id: str) -> Genera
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
+        top_logprobs=msg.top_logprobs,
     )
 
 
@@ -109,6 +110,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     delta.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
                 ),
                 usage=_usage_to_pb(delta),
+                logprobs=delta.logprobs,
+                top_logprobs=[
+                    common_pb2.TopLogprobs(
+                        token_ids=[t for t, _ in top], logprobs=[p for _, p in top]
+                    )
+                    for top in delta.top_logprobs
+                ],
             )
 
     async def Complete(
@@ -128,6 +136,36 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         response.text = "".join(texts)
         response.id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
         return response
+
+    async def Tokenize(
+        self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.TokenizeResponse:
+        await self._begin(context)
+        which = request.WhichOneof("input")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        try:
+            model, ids = await self._service.tokenize(
+                request.model,
+                request.prompt if which == "prompt" else None,
+                messages if which == "messages" else None,
+            )
+        except InvalidInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except UnknownModelError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return inference_pb2.TokenizeResponse(model=model, token_ids=ids)
+
+    async def Detokenize(
+        self, request: inference_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.DetokenizeResponse:
+        await self._begin(context)
+        try:
+            model, text = await self._service.detokenize(request.model, list(request.token_ids))
+        except InvalidInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except UnknownModelError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return inference_pb2.DetokenizeResponse(model=model, text=text)
 
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

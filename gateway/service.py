@@ -50,6 +50,7 @@ class GenerateInput:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
+    top_logprobs: int = 0
 
 
 @dataclass
@@ -66,6 +67,8 @@ class TextDelta:
     model: str
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 _FINISH = {
@@ -118,6 +121,8 @@ class InferenceService:
             raise InvalidInputError(f"top_p={inp.top_p}: must be in (0, 1]")
         if inp.top_k < 0:
             raise InvalidInputError(f"top_k={inp.top_k}: must be >= 0")
+        if not 0 <= inp.top_logprobs <= 20:
+            raise InvalidInputError(f"top_logprobs={inp.top_logprobs}: must be in 0..20")
         if len(inp.stop) > c.max_stop_strings:
             raise InvalidInputError(
                 f"stop has {len(inp.stop)} strings; the limit is {c.max_stop_strings}"
@@ -160,6 +165,47 @@ class InferenceService:
                 )
         return model, tokenizer, ids
 
+    async def tokenize(
+        self, model_name: str, prompt: object, messages: object
+    ) -> tuple[str, list[int]]:
+        """Token ids of ``prompt`` or of ``messages`` rendered with the chat template."""
+        if (prompt is None) == (messages is None):
+            raise InvalidInputError("exactly one of prompt or messages is required")
+        model = self.catalog.resolve(model_name)
+        tokenizer = await self.tokenizers.get(model)
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidInputError("prompt: expected a string")
+            return model.ref, tokenizer.encode(prompt)
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("content", ""), str) for m in messages
+        ):
+            raise InvalidInputError("messages: expected a list of {role, content} objects")
+        _check_messages(messages, self.config.max_messages, self.config.max_prompt_chars)
+        try:
+            return model.ref, tokenizer.render_chat(messages)
+        except TemplateError as exc:
+            raise InvalidInputError(str(exc)) from exc
+
+    async def detokenize(self, model_name: str, token_ids: object) -> tuple[str, str]:
+        model = self.catalog.resolve(model_name)
+        tokenizer = await self.tokenizers.get(model)
+        if not isinstance(token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise InvalidInputError("tokens: expected a list of integer token ids")
+        for t in token_ids:
+            if not 0 <= t < tokenizer.vocab_size:
+                raise InvalidInputError(
+                    f"tokens: {t} is outside the vocabulary of {tokenizer.vocab_size}"
+                )
+        return model.ref, tokenizer.decode(token_ids)
+
+    def token_texts(self, model_ref: str, token_ids: list[int]) -> list[str]:
+        """Each token's own text (for logprobs), from the already loaded tokenizer."""
+        tokenizer = self.tokenizers.loaded(model_ref)
+        return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
     async def generate(self, inp: GenerateInput, timeout: float | None) -> AsyncIterator[TextDelta]:
         model, tokenizer, ids = await self.prepare(inp)
         max_tokens = inp.max_tokens or model.max_model_len - len(ids)
@@ -174,6 +220,7 @@ class InferenceService:
                 top_p=inp.top_p,
                 top_k=inp.top_k,
                 seed=inp.seed if inp.seed is not None else random.getrandbits(63),
+                top_logprobs=inp.top_logprobs,
             ),
             stop_token_ids=inp.stop_token_ids,
             ignore_eos=inp.ignore_eos,
@@ -190,31 +237,37 @@ class InferenceService:
         try:
             async for msg in call:
                 num_tokens += len(msg.token_ids)
-                text = stops.push(detok.push(list(msg.token_ids)))
+                delta = _delta(msg, stops.push(detok.push(list(msg.token_ids))), model.ref)
                 if stops.is_stopped:
-                    yield TextDelta(
-                        text, list(msg.token_ids), model.ref, "stop", Usage(len(ids), num_tokens, 0)
-                    )
+                    delta.finish_reason, delta.usage = "stop", Usage(len(ids), num_tokens, 0)
+                    yield delta
                     return
                 if msg.finish_reason:
-                    text += stops.push(detok.flush())
-                    text += stops.flush()
-                    reason = "stop" if stops.is_stopped else _FINISH[msg.finish_reason]
+                    delta.text += stops.push(detok.flush())
+                    delta.text += stops.flush()
+                    delta.finish_reason = "stop" if stops.is_stopped else _FINISH[msg.finish_reason]
                     u = msg.usage
-                    yield TextDelta(
-                        text,
-                        list(msg.token_ids),
-                        model.ref,
-                        reason,
-                        Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens),
-                    )
+                    delta.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                    yield delta
                     return
-                if text or msg.token_ids:
-                    yield TextDelta(text, list(msg.token_ids), model.ref)
+                if delta.text or delta.token_ids:
+                    yield delta
         except grpc.aio.AioRpcError as exc:
             raise UpstreamError(exc.code(), exc.details() or "scheduler error") from exc
         finally:
             call.cancel()
+
+
+def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> TextDelta:
+    return TextDelta(
+        text,
+        list(msg.token_ids),
+        model_ref,
+        logprobs=list(msg.logprobs),
+        top_logprobs=[
+            list(zip(top.token_ids, top.logprobs, strict=True)) for top in msg.top_logprobs
+        ],
+    )
 
 
 def _check_messages(messages: list[dict[str, str]], max_messages: int, max_chars: int) -> None:

@@ -51,6 +51,11 @@ class TokenizerCache:
     def __init__(self) -> None:
         self._loading: dict[str, asyncio.Task[Tokenizer]] = {}
 
+    def loaded(self, model_ref: str) -> Tokenizer:
+        """The tokenizer of a model version already loaded by ``get``."""
+        task = self._loading[model_ref]
+        return task.result()
+
     async def get(self, model: ModelVersion) -> Tokenizer:
         task = self._loading.get(model.ref)
         if task is None:

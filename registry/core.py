@@ -1,9 +1,10 @@
-"""The registry's logic: validated model records plus the worker directory."""
+"""The registry's logic: validated model records and aliases, plus the worker directory."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from canteen.logging import get_logger
@@ -15,6 +16,7 @@ from canteen.models import (
     read_max_model_len,
     weights_sha256,
 )
+from registry.aliases import Alias, check_alias
 from registry.changes import Changes
 from registry.directory import WorkerDirectory
 from registry.store import ModelRecord, ModelStore
@@ -24,6 +26,14 @@ log = get_logger(__name__)
 
 class InvalidModelError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class ModelTable:
+    """What model watchers see: every version and every alias."""
+
+    models: list[ModelRecord]
+    aliases: list[Alias]
 
 
 class Registry:
@@ -39,6 +49,11 @@ class Registry:
             raise InvalidModelError(f"name={record.name!r}: must be non-empty without ':'")
         if not record.version or ":" in record.version:
             raise InvalidModelError(f"version={record.version!r}: must be non-empty without ':'")
+        for alias in self.store.aliases():
+            if alias.name == record.name and alias.model != record.name:
+                raise InvalidModelError(
+                    f"name={record.name!r}: is an alias of model {alias.model!r}"
+                )
         path = Path(record.path).expanduser().resolve()
         if not path.exists():
             raise InvalidModelError(f"path={record.path!r}: no such file or directory")
@@ -77,8 +92,30 @@ class Registry:
             return
         await self.add_model(ModelRecord(name, version, "", path, "", 0))
 
-    async def watch_models(self) -> AsyncIterator[list[ModelRecord]]:
+    async def set_alias(self, alias: Alias) -> Alias:
+        """Checks an alias against the registered versions and stores it."""
+        check_alias(alias, self.store.versions())
+        stored = self.store.set_alias(alias)
+        log.info(
+            "alias set",
+            alias=alias.name,
+            model=alias.model,
+            targets=",".join(f"{t.version}={t.weight}" for t in alias.targets),
+        )
+        await self._changes.bump()
+        return stored
+
+    async def delete_alias(self, name: str) -> None:
+        self.store.delete_alias(name)
+        log.info("alias deleted", alias=name)
+        await self._changes.bump()
+
+    def table(self) -> ModelTable:
+        return ModelTable(self.store.list(), self.store.aliases())
+
+    async def watch_models(self) -> AsyncIterator[ModelTable]:
+        """Yields the model table now and after every change to models or aliases."""
         seen = -1
         while True:
             seen = await self._changes.newer_than(seen)
-            yield self.store.list()
+            yield self.table()

@@ -8,9 +8,10 @@ import grpc
 
 from canteen.v1 import registry_pb2 as pb
 from canteen.v1 import registry_pb2_grpc
-from registry.core import InvalidModelError, Registry
+from registry.aliases import Alias, AliasTarget, AliasTargetNotFoundError, InvalidAliasError
+from registry.core import InvalidModelError, ModelTable, Registry
 from registry.directory import UnknownLeaseError, WorkerEntry
-from registry.store import ModelExistsError, ModelNotFoundError, ModelRecord
+from registry.store import AliasNotFoundError, ModelExistsError, ModelNotFoundError, ModelRecord
 
 _FORMATS = {"safetensors": pb.MODEL_FORMAT_SAFETENSORS, "gguf": pb.MODEL_FORMAT_GGUF}
 _FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
@@ -28,6 +29,23 @@ def record_to_pb(record: ModelRecord) -> pb.ModelRecord:
     )
 
 
+def alias_to_pb(alias: Alias) -> pb.Alias:
+    return pb.Alias(
+        name=alias.name,
+        model=alias.model,
+        targets=[pb.AliasTarget(version=t.version, weight=t.weight) for t in alias.targets],
+    )
+
+
+def alias_from_pb(msg: pb.Alias) -> Alias:
+    """An empty model means the alias's own name."""
+    return Alias(
+        msg.name,
+        msg.model or msg.name,
+        tuple(AliasTarget(t.version, t.weight) for t in msg.targets),
+    )
+
+
 def _entry_to_pb(entry: WorkerEntry) -> pb.WorkerEntry:
     return pb.WorkerEntry(
         worker_id=entry.worker_id, address=entry.address, model=entry.model, version=entry.version
@@ -38,9 +56,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 
-    def _model_list(self, records: list[ModelRecord]) -> pb.ListModelsRegistryResponse:
+    def _model_list(self, table: ModelTable) -> pb.ListModelsRegistryResponse:
         return pb.ListModelsRegistryResponse(
-            models=[record_to_pb(r) for r in records], default_model=self._registry.default_model
+            models=[record_to_pb(r) for r in table.models],
+            default_model=self._registry.default_model,
+            aliases=[alias_to_pb(a) for a in table.aliases],
         )
 
     async def AddModel(
@@ -70,13 +90,33 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def ListModels(
         self, request: pb.ListModelsRegistryRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsRegistryResponse:
-        return self._model_list(self._registry.store.list())
+        return self._model_list(self._registry.table())
 
     async def WatchModels(
         self, request: pb.WatchModelsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ListModelsRegistryResponse]:
-        async for records in self._registry.watch_models():
-            yield self._model_list(records)
+        async for table in self._registry.watch_models():
+            yield self._model_list(table)
+
+    async def SetAlias(
+        self, request: pb.SetAliasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.Alias:
+        try:
+            return alias_to_pb(await self._registry.set_alias(alias_from_pb(request.alias)))
+        except InvalidAliasError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except AliasTargetNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        raise AssertionError("unreachable")
+
+    async def DeleteAlias(
+        self, request: pb.DeleteAliasRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteAliasResponse:
+        try:
+            await self._registry.delete_alias(request.name)
+        except AliasNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return pb.DeleteAliasResponse()
 
     async def RegisterWorker(
         self, request: pb.RegisterWorkerRequest, context: grpc.aio.ServicerContext

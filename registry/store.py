@@ -1,4 +1,4 @@
-"""Model records in SQLite (WAL mode, one transaction per write)."""
+"""Model records and aliases in SQLite (WAL mode, one transaction per write)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from registry.aliases import Alias, AliasTarget
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (
@@ -17,6 +19,14 @@ CREATE TABLE IF NOT EXISTS models (
     max_model_len INTEGER NOT NULL,
     created_unix INTEGER NOT NULL,
     PRIMARY KEY (name, version)
+);
+CREATE TABLE IF NOT EXISTS alias_targets (
+    alias TEXT NOT NULL,
+    model TEXT NOT NULL,
+    version TEXT NOT NULL,
+    weight INTEGER NOT NULL,
+    position INTEGER NOT NULL,
+    PRIMARY KEY (alias, version)
 );
 """
 
@@ -40,8 +50,12 @@ class ModelNotFoundError(Exception):
     pass
 
 
+class AliasNotFoundError(LookupError):
+    pass
+
+
 class ModelStore:
-    """The model table. ``path=":memory:"`` keeps it in memory (tests)."""
+    """The model and alias tables. ``path=":memory:"`` keeps them in memory (tests)."""
 
     def __init__(self, path: str) -> None:
         if path != ":memory:":
@@ -93,6 +107,45 @@ class ModelStore:
             known = ", ".join(f"{r.name}:{r.version}" for r in self.list()) or "none"
             raise ModelNotFoundError(f"model {wanted!r} is not registered (known: {known})")
         return ModelRecord(*row)
+
+    def set_alias(self, alias: Alias) -> Alias:
+        """Stores an alias (checked by the caller), replacing its previous targets."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM alias_targets WHERE alias = ?", (alias.name,))
+            self._db.executemany(
+                "INSERT INTO alias_targets VALUES (?, ?, ?, ?, ?)",
+                [
+                    (alias.name, alias.model, t.version, t.weight, i)
+                    for i, t in enumerate(alias.targets)
+                ],
+            )
+        return alias
+
+    def delete_alias(self, name: str) -> None:
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            deleted = self._db.execute("DELETE FROM alias_targets WHERE alias = ?", (name,))
+        if deleted.rowcount == 0:
+            known = ", ".join(a.name for a in self.aliases()) or "none"
+            raise AliasNotFoundError(f"alias {name!r} does not exist (known: {known})")
+
+    def aliases(self) -> list[Alias]:
+        """Every alias, by name, with its targets in the order they were given."""
+        rows = self._db.execute(
+            "SELECT alias, model, version, weight FROM alias_targets ORDER BY alias, position"
+        ).fetchall()
+        grouped: dict[str, tuple[str, list[AliasTarget]]] = {}
+        for alias, model, version, weight in rows:
+            grouped.setdefault(alias, (model, []))[1].append(AliasTarget(version, weight))
+        return [Alias(name, model, tuple(ts)) for name, (model, ts) in grouped.items()]
+
+    def versions(self) -> dict[str, list[str]]:
+        """Registered versions by model name."""
+        found: dict[str, list[str]] = {}
+        for record in self.list():
+            found.setdefault(record.name, []).append(record.version)
+        return found
 
     def list(self) -> list[ModelRecord]:
         rows = self._db.execute(

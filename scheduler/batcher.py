@@ -188,7 +188,7 @@ class BatchScheduler:
         if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= seq.max_model_len:
             finish = Finish.LENGTH
             self._finish(seq, finish)
-        return SeqEvent(seq, (token.token_id,), (token.logprob,), finish)
+        return SeqEvent(seq, (token.token_id,), (token.logprob,), finish, (token.top,))
 
     def _admit(self, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:

@@ -79,3 +79,4 @@ class SeqEvent:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish: Finish | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()

@@ -40,7 +40,7 @@ def params_from_pb(msg: scheduler_pb2.ScheduleRequest) -> GenerateParams:
         version=msg.version,
         prompt_ids=list(msg.prompt_token_ids),
         max_tokens=msg.max_tokens,
-        sampling=Sampling(s.temperature, s.top_p, s.top_k, s.seed),
+        sampling=Sampling(s.temperature, s.top_p, s.top_k, s.seed, s.top_logprobs),
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
@@ -63,6 +63,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 response = scheduler_pb2.ScheduleResponse(
                     token_ids=event.token_ids, logprobs=event.logprobs
                 )
+                if params.sampling.top_logprobs:
+                    for top in event.top_logprobs:
+                        response.top_logprobs.add(
+                            token_ids=[i for i, _ in top], logprobs=[lp for _, lp in top]
+                        )
                 if is_first and seq.first_scheduled_time is not None:
                     response.queue_seconds = seq.first_scheduled_time - seq.arrival_time
                     is_first = False

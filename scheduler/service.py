@@ -161,3 +161,5 @@ def _validate_shape(params: GenerateParams) -> None:
         raise InvalidRequestError(f"top_p={s.top_p}: must be in (0, 1]")
     if s.top_k < 0:
         raise InvalidRequestError(f"top_k={s.top_k}: must be >= 0")
+    if not 0 <= s.top_logprobs <= 20:
+        raise InvalidRequestError(f"top_logprobs={s.top_logprobs}: must be in 0..20")

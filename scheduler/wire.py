@@ -12,6 +12,7 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         top_p=sampling.top_p,
         top_k=sampling.top_k,
         seed=sampling.seed,
+        top_logprobs=sampling.top_logprobs,
     )
 
 
@@ -41,7 +42,15 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
 def result_from_pb(msg: worker_pb2.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
-        tokens=tuple(SampledToken(t.seq_id, t.token_id, t.logprob) for t in msg.tokens),
+        tokens=tuple(
+            SampledToken(
+                t.seq_id,
+                t.token_id,
+                t.logprob,
+                tuple(zip(t.top.token_ids, t.top.logprobs, strict=True)),
+            )
+            for t in msg.tokens
+        ),
         num_tokens=msg.num_tokens,
         forward_ns=msg.timings.forward_ns,
         sample_ns=msg.timings.sample_ns,

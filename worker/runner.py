@@ -182,15 +182,15 @@ class ModelRunner:
                 sampling_seqs.append(seq)
         if not sampling_seqs:
             return []
-        token_ids, logprobs = sample(
+        token_ids, logprobs, tops = sample(
             logits[: len(sampling_seqs)],
             [s.sampling for s in sampling_seqs],
             [len(s.tokens) for s in sampling_seqs],
         )
         out = []
-        for seq, token, logprob in zip(sampling_seqs, token_ids, logprobs, strict=True):
+        for seq, token, logprob, top in zip(sampling_seqs, token_ids, logprobs, tops, strict=True):
             seq.tokens.append(token)
-            out.append(SampledToken(seq.seq_id, token, logprob))
+            out.append(SampledToken(seq.seq_id, token, logprob, top))
         return out
 
 

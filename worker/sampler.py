@@ -41,8 +41,9 @@ def _filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 def sample(
     logits: torch.Tensor, samplings: list[Sampling], positions: list[int]
-) -> tuple[list[int], list[float]]:
-    """Picks one token per row of ``logits`` [N, V]; returns token ids and logprobs."""
+) -> tuple[list[int], list[float], list[tuple[tuple[int, float], ...]]]:
+    """Picks one token per row of ``logits`` [N, V]: token ids, their logprobs, and the
+    most likely (token, logprob) pairs of the rows that asked for top_logprobs."""
     logits = logits.float()
     chosen = torch.argmax(logits, dim=-1)
     for row, (sampling, position) in enumerate(zip(samplings, positions, strict=True)):
@@ -53,5 +54,14 @@ def sample(
         generator.manual_seed(position_seed(sampling.seed, position))
         chosen[row] = torch.multinomial(probs, 1, generator=generator)[0]
     # log_softmax at the chosen token only: cheaper than the whole row.
-    picked = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=-1)
-    return chosen.tolist(), picked.tolist()
+    norm = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - norm
+    tops: list[tuple[tuple[int, float], ...]] = []
+    for row, sampling in enumerate(samplings):
+        if sampling.top_logprobs <= 0:
+            tops.append(())
+            continue
+        best = torch.topk(logits[row], min(sampling.top_logprobs, logits.shape[-1]))
+        values = (best.values - norm[row]).tolist()
+        tops.append(tuple(zip(best.indices.tolist(), values, strict=True)))
+    return chosen.tolist(), picked.tolist(), tops

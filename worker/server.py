@@ -28,7 +28,7 @@ class WorkerIdentity:
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
-    return Sampling(msg.temperature, msg.top_p, msg.top_k, msg.seed)
+    return Sampling(msg.temperature, msg.top_p, msg.top_k, msg.seed, msg.top_logprobs)
 
 
 def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
@@ -55,7 +55,16 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
     return worker_pb2.StepResult(
         step_id=result.step_id,
         tokens=[
-            worker_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, logprob=t.logprob)
+            worker_pb2.SampledToken(
+                seq_id=t.seq_id,
+                token_id=t.token_id,
+                logprob=t.logprob,
+                top=common_pb2.TopLogprobs(
+                    token_ids=[i for i, _ in t.top], logprobs=[lp for _, lp in t.top]
+                )
+                if t.top
+                else None,
+            )
             for t in result.tokens
         ],
         num_tokens=result.num_tokens,

@@ -87,6 +87,7 @@ class GenerateRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name or alias; empty means the default model."""
     prompt: _builtins.str
@@ -105,6 +106,8 @@ class GenerateRequest(_message.Message):
     """Keep generating past the model's end-of-sequence token."""
     priority: _builtins.int
     """Higher runs first when the service is busy; default 0."""
+    top_logprobs: _builtins.int
+    """Most likely alternatives to report with each token, 0..20."""
     @_builtins.property
     def messages(self) -> Global___ChatMessages:
         """Chat messages, rendered with the model's chat template and a generation prompt."""
@@ -132,10 +135,11 @@ class GenerateRequest(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
         priority: _builtins.int = ...,
+        top_logprobs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
@@ -172,6 +176,8 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The request id, the same on every message of the stream and in the service's logs."""
     text: _builtins.str
@@ -188,6 +194,14 @@ class GenerateResponse(_message.Message):
     def usage(self) -> _common_pb2.Usage:
         """Set on the last message only."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Log-probability of each token in token_ids."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]:
+        """The most likely alternatives at each token (when top_logprobs > 0 was asked)."""
+
     def __init__(
         self,
         *,
@@ -197,10 +211,12 @@ class GenerateResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         model: _builtins.str = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "id", b"id", "model", b"model", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "model", b"model", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -330,3 +346,119 @@ class ListModelsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
+class TokenizeRequest(_message.Message):
+    """Text or chat messages to tokenize."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    PROMPT_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model name or alias; empty means the default model."""
+    prompt: _builtins.str
+    """Raw text, tokenized as is."""
+    @_builtins.property
+    def messages(self) -> Global___ChatMessages:
+        """Chat messages, rendered with the model's chat template and a generation prompt."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        prompt: _builtins.str = ...,
+        messages: Global___ChatMessages | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "prompt", b"prompt"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "messages", b"messages", "model", b"model", "prompt", b"prompt"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "messages"]  # noqa: Y015
+    _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
+
+Global___TokenizeRequest: _TypeAlias = TokenizeRequest  # noqa: Y015
+
+@_typing.final
+class TokenizeResponse(_message.Message):
+    """Token ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The exact model version whose tokenizer was used ("name:version")."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token ids."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
+
+@_typing.final
+class DetokenizeRequest(_message.Message):
+    """Token ids to turn back into text."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model name or alias; empty means the default model."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The token ids."""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetokenizeRequest: _TypeAlias = DetokenizeRequest  # noqa: Y015
+
+@_typing.final
+class DetokenizeResponse(_message.Message):
+    """Text."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """The exact model version whose tokenizer was used ("name:version")."""
+    text: _builtins.str
+    """The text (special tokens skipped)."""
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DetokenizeResponse: _TypeAlias = DetokenizeResponse  # noqa: Y015

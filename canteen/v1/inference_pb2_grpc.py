@@ -50,6 +50,16 @@ class InferenceStub:
                 request_serializer=canteen_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=canteen_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/canteen.v1.Inference/Tokenize',
+                request_serializer=canteen_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=canteen_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/canteen.v1.Inference/Detokenize',
+                request_serializer=canteen_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=canteen_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -77,6 +87,20 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Token ids of a prompt or of chat messages rendered with the model's template.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Text of token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +118,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=canteen_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=canteen_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=canteen_dot_v1_dot_inference__pb2.TokenizeRequest.FromString,
+                    response_serializer=canteen_dot_v1_dot_inference__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=canteen_dot_v1_dot_inference__pb2.DetokenizeRequest.FromString,
+                    response_serializer=canteen_dot_v1_dot_inference__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +212,60 @@ class Inference:
             '/canteen.v1.Inference/ListModels',
             canteen_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             canteen_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/canteen.v1.Inference/Tokenize',
+            canteen_dot_v1_dot_inference__pb2.TokenizeRequest.SerializeToString,
+            canteen_dot_v1_dot_inference__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/canteen.v1.Inference/Detokenize',
+            canteen_dot_v1_dot_inference__pb2.DetokenizeRequest.SerializeToString,
+            canteen_dot_v1_dot_inference__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,10 @@ class InferenceStub:
     """Returns the whole answer to one request at once."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """Lists the models and aliases that can be named in a request."""
+    Tokenize: _grpc.UnaryUnaryMultiCallable[_inference_pb2.TokenizeRequest, _inference_pb2.TokenizeResponse]
+    """Token ids of a prompt or of chat messages rendered with the model's template."""
+    Detokenize: _grpc.UnaryUnaryMultiCallable[_inference_pb2.DetokenizeRequest, _inference_pb2.DetokenizeResponse]
+    """Text of token ids."""
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -51,6 +55,10 @@ class InferenceAsyncStub(InferenceStub):
     """Returns the whole answer to one request at once."""
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the models and aliases that can be named in a request."""
+    Tokenize: _aio.UnaryUnaryMultiCallable[_inference_pb2.TokenizeRequest, _inference_pb2.TokenizeResponse]  # type: ignore[assignment]
+    """Token ids of a prompt or of chat messages rendered with the model's template."""
+    Detokenize: _aio.UnaryUnaryMultiCallable[_inference_pb2.DetokenizeRequest, _inference_pb2.DetokenizeResponse]  # type: ignore[assignment]
+    """Text of token ids."""
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
     """The public API of Canteen, served by the gateway."""
@@ -78,5 +86,21 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.ListModelsResponse, _abc.Awaitable[_inference_pb2.ListModelsResponse]]:
         """Lists the models and aliases that can be named in a request."""
+
+    @_abc_1.abstractmethod
+    def Tokenize(
+        self,
+        request: _inference_pb2.TokenizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.TokenizeResponse, _abc.Awaitable[_inference_pb2.TokenizeResponse]]:
+        """Token ids of a prompt or of chat messages rendered with the model's template."""
+
+    @_abc_1.abstractmethod
+    def Detokenize(
+        self,
+        request: _inference_pb2.DetokenizeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.DetokenizeResponse, _abc.Awaitable[_inference_pb2.DetokenizeResponse]]:
+        """Text of token ids."""
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

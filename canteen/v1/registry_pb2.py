@@ -24,43 +24,53 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63\x61nteen/v1/registry.proto\x12\ncanteen.v1\"\xa0\x01\n\x0bModelRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\'\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x17.canteen.v1.ModelFormat\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x03\"9\n\x0f\x41\x64\x64ModelRequest\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.canteen.v1.ModelRecord\"0\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"\x1b\n\x19ListModelsRegistryRequest\"\\\n\x1aListModelsRegistryResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.canteen.v1.ModelRecord\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"\x14\n\x12WatchModelsRequest\"[\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"/\n\x05Lease\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\x15\n\x13WatchWorkersRequest\"Q\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"6\n\nWorkerList\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerEntry*`\n\x0bModelFormat\x12\x1c\n\x18MODEL_FORMAT_UNSPECIFIED\x10\x00\x12\x1c\n\x18MODEL_FORMAT_SAFETENSORS\x10\x01\x12\x15\n\x11MODEL_FORMAT_GGUF\x10\x02\x32\xf4\x04\n\x08Registry\x12@\n\x08\x41\x64\x64Model\x12\x1b.canteen.v1.AddModelRequest\x1a\x17.canteen.v1.ModelRecord\x12@\n\x08GetModel\x12\x1b.canteen.v1.GetModelRequest\x1a\x17.canteen.v1.ModelRecord\x12[\n\nListModels\x12%.canteen.v1.ListModelsRegistryRequest\x1a&.canteen.v1.ListModelsRegistryResponse\x12W\n\x0bWatchModels\x12\x1e.canteen.v1.WatchModelsRequest\x1a&.canteen.v1.ListModelsRegistryResponse0\x01\x12\x46\n\x0eRegisterWorker\x12!.canteen.v1.RegisterWorkerRequest\x1a\x11.canteen.v1.Lease\x12<\n\tHeartbeat\x12\x1c.canteen.v1.HeartbeatRequest\x1a\x11.canteen.v1.Lease\x12]\n\x10\x44\x65registerWorker\x12#.canteen.v1.DeregisterWorkerRequest\x1a$.canteen.v1.DeregisterWorkerResponse\x12I\n\x0cWatchWorkers\x12\x1f.canteen.v1.WatchWorkersRequest\x1a\x16.canteen.v1.WorkerList0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x63\x61nteen/v1/registry.proto\x12\ncanteen.v1\"\xa0\x01\n\x0bModelRecord\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\'\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x17.canteen.v1.ModelFormat\x12\x0c\n\x04path\x18\x04 \x01(\t\x12\x0e\n\x06sha256\x18\x05 \x01(\t\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x14\n\x0c\x63reated_unix\x18\x07 \x01(\x03\"9\n\x0f\x41\x64\x64ModelRequest\x12&\n\x05model\x18\x01 \x01(\x0b\x32\x17.canteen.v1.ModelRecord\"0\n\x0fGetModelRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\".\n\x0b\x41liasTarget\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x05\"N\n\x05\x41lias\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x07targets\x18\x03 \x03(\x0b\x32\x17.canteen.v1.AliasTarget\"3\n\x0fSetAliasRequest\x12 \n\x05\x61lias\x18\x01 \x01(\x0b\x32\x11.canteen.v1.Alias\"\"\n\x12\x44\x65leteAliasRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteAliasResponse\"\x1b\n\x19ListModelsRegistryRequest\"\x80\x01\n\x1aListModelsRegistryResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.canteen.v1.ModelRecord\x12\x15\n\rdefault_model\x18\x02 \x01(\t\x12\"\n\x07\x61liases\x18\x03 \x03(\x0b\x32\x11.canteen.v1.Alias\"\x14\n\x12WatchModelsRequest\"[\n\x15RegisterWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"/\n\x05Lease\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bttl_seconds\x18\x02 \x01(\x01\"%\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\",\n\x17\x44\x65registerWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x1a\n\x18\x44\x65registerWorkerResponse\"\x15\n\x13WatchWorkersRequest\"Q\n\x0bWorkerEntry\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\"6\n\nWorkerList\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerEntry*`\n\x0bModelFormat\x12\x1c\n\x18MODEL_FORMAT_UNSPECIFIED\x10\x00\x12\x1c\n\x18MODEL_FORMAT_SAFETENSORS\x10\x01\x12\x15\n\x11MODEL_FORMAT_GGUF\x10\x02\x32\x80\x06\n\x08Registry\x12@\n\x08\x41\x64\x64Model\x12\x1b.canteen.v1.AddModelRequest\x1a\x17.canteen.v1.ModelRecord\x12@\n\x08GetModel\x12\x1b.canteen.v1.GetModelRequest\x1a\x17.canteen.v1.ModelRecord\x12[\n\nListModels\x12%.canteen.v1.ListModelsRegistryRequest\x1a&.canteen.v1.ListModelsRegistryResponse\x12W\n\x0bWatchModels\x12\x1e.canteen.v1.WatchModelsRequest\x1a&.canteen.v1.ListModelsRegistryResponse0\x01\x12:\n\x08SetAlias\x12\x1b.canteen.v1.SetAliasRequest\x1a\x11.canteen.v1.Alias\x12N\n\x0b\x44\x65leteAlias\x12\x1e.canteen.v1.DeleteAliasRequest\x1a\x1f.canteen.v1.DeleteAliasResponse\x12\x46\n\x0eRegisterWorker\x12!.canteen.v1.RegisterWorkerRequest\x1a\x11.canteen.v1.Lease\x12<\n\tHeartbeat\x12\x1c.canteen.v1.HeartbeatRequest\x1a\x11.canteen.v1.Lease\x12]\n\x10\x44\x65registerWorker\x12#.canteen.v1.DeregisterWorkerRequest\x1a$.canteen.v1.DeregisterWorkerResponse\x12I\n\x0cWatchWorkers\x12\x1f.canteen.v1.WatchWorkersRequest\x1a\x16.canteen.v1.WorkerList0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'canteen.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODELFORMAT']._serialized_start=875
-  _globals['_MODELFORMAT']._serialized_end=971
+  _globals['_MODELFORMAT']._serialized_start=1152
+  _globals['_MODELFORMAT']._serialized_end=1248
   _globals['_MODELRECORD']._serialized_start=42
   _globals['_MODELRECORD']._serialized_end=202
   _globals['_ADDMODELREQUEST']._serialized_start=204
   _globals['_ADDMODELREQUEST']._serialized_end=261
   _globals['_GETMODELREQUEST']._serialized_start=263
   _globals['_GETMODELREQUEST']._serialized_end=311
-  _globals['_LISTMODELSREGISTRYREQUEST']._serialized_start=313
-  _globals['_LISTMODELSREGISTRYREQUEST']._serialized_end=340
-  _globals['_LISTMODELSREGISTRYRESPONSE']._serialized_start=342
-  _globals['_LISTMODELSREGISTRYRESPONSE']._serialized_end=434
-  _globals['_WATCHMODELSREQUEST']._serialized_start=436
-  _globals['_WATCHMODELSREQUEST']._serialized_end=456
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=458
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=549
-  _globals['_LEASE']._serialized_start=551
-  _globals['_LEASE']._serialized_end=598
-  _globals['_HEARTBEATREQUEST']._serialized_start=600
-  _globals['_HEARTBEATREQUEST']._serialized_end=637
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=639
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=683
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=685
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=711
-  _globals['_WATCHWORKERSREQUEST']._serialized_start=713
-  _globals['_WATCHWORKERSREQUEST']._serialized_end=734
-  _globals['_WORKERENTRY']._serialized_start=736
-  _globals['_WORKERENTRY']._serialized_end=817
-  _globals['_WORKERLIST']._serialized_start=819
-  _globals['_WORKERLIST']._serialized_end=873
-  _globals['_REGISTRY']._serialized_start=974
-  _globals['_REGISTRY']._serialized_end=1602
+  _globals['_ALIASTARGET']._serialized_start=313
+  _globals['_ALIASTARGET']._serialized_end=359
+  _globals['_ALIAS']._serialized_start=361
+  _globals['_ALIAS']._serialized_end=439
+  _globals['_SETALIASREQUEST']._serialized_start=441
+  _globals['_SETALIASREQUEST']._serialized_end=492
+  _globals['_DELETEALIASREQUEST']._serialized_start=494
+  _globals['_DELETEALIASREQUEST']._serialized_end=528
+  _globals['_DELETEALIASRESPONSE']._serialized_start=530
+  _globals['_DELETEALIASRESPONSE']._serialized_end=551
+  _globals['_LISTMODELSREGISTRYREQUEST']._serialized_start=553
+  _globals['_LISTMODELSREGISTRYREQUEST']._serialized_end=580
+  _globals['_LISTMODELSREGISTRYRESPONSE']._serialized_start=583
+  _globals['_LISTMODELSREGISTRYRESPONSE']._serialized_end=711
+  _globals['_WATCHMODELSREQUEST']._serialized_start=713
+  _globals['_WATCHMODELSREQUEST']._serialized_end=733
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=735
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=826
+  _globals['_LEASE']._serialized_start=828
+  _globals['_LEASE']._serialized_end=875
+  _globals['_HEARTBEATREQUEST']._serialized_start=877
+  _globals['_HEARTBEATREQUEST']._serialized_end=914
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=916
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=960
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=962
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=988
+  _globals['_WATCHWORKERSREQUEST']._serialized_start=990
+  _globals['_WATCHWORKERSREQUEST']._serialized_end=1011
+  _globals['_WORKERENTRY']._serialized_start=1013
+  _globals['_WORKERENTRY']._serialized_end=1094
+  _globals['_WORKERLIST']._serialized_start=1096
+  _globals['_WORKERLIST']._serialized_end=1150
+  _globals['_REGISTRY']._serialized_start=1251
+  _globals['_REGISTRY']._serialized_end=2019
 # @@protoc_insertion_point(module_scope)

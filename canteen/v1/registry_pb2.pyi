@@ -140,6 +140,127 @@ class GetModelRequest(_message.Message):
 Global___GetModelRequest: _TypeAlias = GetModelRequest  # noqa: Y015
 
 @_typing.final
+class AliasTarget(_message.Message):
+    """One version an alias sends traffic to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """Version of the alias's model; it must be registered."""
+    weight: _builtins.int
+    """Relative weight in 1..10000: the target's share is weight / (sum of the alias's weights)."""
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        weight: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version", "weight", b"weight"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AliasTarget: _TypeAlias = AliasTarget  # noqa: Y015
+
+@_typing.final
+class Alias(_message.Message):
+    """A name that resolves to versions of one model, split by weight (a canary)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    TARGETS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name requests send; it may be the model's own name, but no other model's."""
+    model: _builtins.str
+    """The model whose versions the targets name."""
+    @_builtins.property
+    def targets(self) -> _containers.RepeatedCompositeFieldContainer[Global___AliasTarget]:
+        """At least one target, each naming a different version."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        model: _builtins.str = ...,
+        targets: _abc.Iterable[Global___AliasTarget] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "name", b"name", "targets", b"targets"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Alias: _TypeAlias = Alias  # noqa: Y015
+
+@_typing.final
+class SetAliasRequest(_message.Message):
+    """Creates or replaces an alias."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALIAS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def alias(self) -> Global___Alias:
+        """The alias; its targets replace any it had."""
+
+    def __init__(
+        self,
+        *,
+        alias: Global___Alias | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alias", b"alias"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetAliasRequest: _TypeAlias = SetAliasRequest  # noqa: Y015
+
+@_typing.final
+class DeleteAliasRequest(_message.Message):
+    """Names an alias to remove."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Alias name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteAliasRequest: _TypeAlias = DeleteAliasRequest  # noqa: Y015
+
+@_typing.final
+class DeleteAliasResponse(_message.Message):
+    """The alias is gone."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteAliasResponse: _TypeAlias = DeleteAliasResponse  # noqa: Y015
+
+@_typing.final
 class ListModelsRegistryRequest(_message.Message):
     """Asks for every model version."""
 
@@ -158,27 +279,33 @@ Global___ListModelsRegistryRequest: _TypeAlias = ListModelsRegistryRequest  # no
 
 @_typing.final
 class ListModelsRegistryResponse(_message.Message):
-    """Every model version."""
+    """Every model version and alias."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     MODELS_FIELD_NUMBER: _builtins.int
     DEFAULT_MODEL_FIELD_NUMBER: _builtins.int
+    ALIASES_FIELD_NUMBER: _builtins.int
     default_model: _builtins.str
     """The model used when a request names none."""
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelRecord]:
         """The records, by name then creation time."""
 
+    @_builtins.property
+    def aliases(self) -> _containers.RepeatedCompositeFieldContainer[Global___Alias]:
+        """The aliases, by name."""
+
     def __init__(
         self,
         *,
         models: _abc.Iterable[Global___ModelRecord] | None = ...,
         default_model: _builtins.str = ...,
+        aliases: _abc.Iterable[Global___Alias] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_model", b"default_model", "models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["aliases", b"aliases", "default_model", b"default_model", "models", b"models"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,6 +55,16 @@ class RegistryStub:
                 request_serializer=canteen_dot_v1_dot_registry__pb2.WatchModelsRequest.SerializeToString,
                 response_deserializer=canteen_dot_v1_dot_registry__pb2.ListModelsRegistryResponse.FromString,
                 _registered_method=True)
+        self.SetAlias = channel.unary_unary(
+                '/canteen.v1.Registry/SetAlias',
+                request_serializer=canteen_dot_v1_dot_registry__pb2.SetAliasRequest.SerializeToString,
+                response_deserializer=canteen_dot_v1_dot_registry__pb2.Alias.FromString,
+                _registered_method=True)
+        self.DeleteAlias = channel.unary_unary(
+                '/canteen.v1.Registry/DeleteAlias',
+                request_serializer=canteen_dot_v1_dot_registry__pb2.DeleteAliasRequest.SerializeToString,
+                response_deserializer=canteen_dot_v1_dot_registry__pb2.DeleteAliasResponse.FromString,
+                _registered_method=True)
         self.RegisterWorker = channel.unary_unary(
                 '/canteen.v1.Registry/RegisterWorker',
                 request_serializer=canteen_dot_v1_dot_registry__pb2.RegisterWorkerRequest.SerializeToString,
@@ -104,6 +114,20 @@ class RegistryServicer:
 
     def WatchModels(self, request, context):
         """Streams the full model table now and after every change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetAlias(self, request, context):
+        """Creates or replaces an alias: a name that resolves to versions of one model by weight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteAlias(self, request, context):
+        """Removes an alias; its name then resolves as a plain model name again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -159,6 +183,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.WatchModels,
                     request_deserializer=canteen_dot_v1_dot_registry__pb2.WatchModelsRequest.FromString,
                     response_serializer=canteen_dot_v1_dot_registry__pb2.ListModelsRegistryResponse.SerializeToString,
+            ),
+            'SetAlias': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAlias,
+                    request_deserializer=canteen_dot_v1_dot_registry__pb2.SetAliasRequest.FromString,
+                    response_serializer=canteen_dot_v1_dot_registry__pb2.Alias.SerializeToString,
+            ),
+            'DeleteAlias': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteAlias,
+                    request_deserializer=canteen_dot_v1_dot_registry__pb2.DeleteAliasRequest.FromString,
+                    response_serializer=canteen_dot_v1_dot_registry__pb2.DeleteAliasResponse.SerializeToString,
             ),
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
@@ -290,6 +324,60 @@ class Registry:
             '/canteen.v1.Registry/WatchModels',
             canteen_dot_v1_dot_registry__pb2.WatchModelsRequest.SerializeToString,
             canteen_dot_v1_dot_registry__pb2.ListModelsRegistryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAlias(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/canteen.v1.Registry/SetAlias',
+            canteen_dot_v1_dot_registry__pb2.SetAliasRequest.SerializeToString,
+            canteen_dot_v1_dot_registry__pb2.Alias.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteAlias(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/canteen.v1.Registry/DeleteAlias',
+            canteen_dot_v1_dot_registry__pb2.DeleteAliasRequest.SerializeToString,
+            canteen_dot_v1_dot_registry__pb2.DeleteAliasResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,10 @@ class RegistryStub:
     """Lists every model version."""
     WatchModels: _grpc.UnaryStreamMultiCallable[_registry_pb2.WatchModelsRequest, _registry_pb2.ListModelsRegistryResponse]
     """Streams the full model table now and after every change."""
+    SetAlias: _grpc.UnaryUnaryMultiCallable[_registry_pb2.SetAliasRequest, _registry_pb2.Alias]
+    """Creates or replaces an alias: a name that resolves to versions of one model by weight."""
+    DeleteAlias: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeleteAliasRequest, _registry_pb2.DeleteAliasResponse]
+    """Removes an alias; its name then resolves as a plain model name again."""
     RegisterWorker: _grpc.UnaryUnaryMultiCallable[_registry_pb2.RegisterWorkerRequest, _registry_pb2.Lease]
     """Registers a ready worker and grants it a lease."""
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.Lease]
@@ -63,6 +67,10 @@ class RegistryAsyncStub(RegistryStub):
     """Lists every model version."""
     WatchModels: _aio.UnaryStreamMultiCallable[_registry_pb2.WatchModelsRequest, _registry_pb2.ListModelsRegistryResponse]  # type: ignore[assignment]
     """Streams the full model table now and after every change."""
+    SetAlias: _aio.UnaryUnaryMultiCallable[_registry_pb2.SetAliasRequest, _registry_pb2.Alias]  # type: ignore[assignment]
+    """Creates or replaces an alias: a name that resolves to versions of one model by weight."""
+    DeleteAlias: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeleteAliasRequest, _registry_pb2.DeleteAliasResponse]  # type: ignore[assignment]
+    """Removes an alias; its name then resolves as a plain model name again."""
     RegisterWorker: _aio.UnaryUnaryMultiCallable[_registry_pb2.RegisterWorkerRequest, _registry_pb2.Lease]  # type: ignore[assignment]
     """Registers a ready worker and grants it a lease."""
     Heartbeat: _aio.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.Lease]  # type: ignore[assignment]
@@ -106,6 +114,22 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_registry_pb2.ListModelsRegistryResponse], _abc.AsyncIterator[_registry_pb2.ListModelsRegistryResponse]]:
         """Streams the full model table now and after every change."""
+
+    @_abc_1.abstractmethod
+    def SetAlias(
+        self,
+        request: _registry_pb2.SetAliasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.Alias, _abc.Awaitable[_registry_pb2.Alias]]:
+        """Creates or replaces an alias: a name that resolves to versions of one model by weight."""
+
+    @_abc_1.abstractmethod
+    def DeleteAlias(
+        self,
+        request: _registry_pb2.DeleteAliasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.DeleteAliasResponse, _abc.Awaitable[_registry_pb2.DeleteAliasResponse]]:
+        """Removes an alias; its name then resolves as a plain model name again."""
 
     @_abc_1.abstractmethod
     def RegisterWorker(

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from canteen.v1 import common_pb2 as canteen_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/scheduler.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\xdf\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\"\xa1\x01\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xa6\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x10\n\x08is_ready\x18\n \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\"<\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerStats2\x9b\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.canteen.v1.ScheduleRequest\x1a\x1c.canteen.v1.ScheduleResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.canteen.v1.GetStatsRequest\x1a\x1c.canteen.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/scheduler.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\xdf\x01\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\"\xd0\x01\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\"\x11\n\x0fGetStatsRequest\"\xa6\x02\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x10\n\x08is_ready\x18\n \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\"<\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerStats2\x9b\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.canteen.v1.ScheduleRequest\x1a\x1c.canteen.v1.ScheduleResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.canteen.v1.GetStatsRequest\x1a\x1c.canteen.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEREQUEST']._serialized_start=68
   _globals['_SCHEDULEREQUEST']._serialized_end=291
   _globals['_SCHEDULERESPONSE']._serialized_start=294
-  _globals['_SCHEDULERESPONSE']._serialized_end=455
-  _globals['_GETSTATSREQUEST']._serialized_start=457
-  _globals['_GETSTATSREQUEST']._serialized_end=474
-  _globals['_WORKERSTATS']._serialized_start=477
-  _globals['_WORKERSTATS']._serialized_end=771
-  _globals['_GETSTATSRESPONSE']._serialized_start=773
-  _globals['_GETSTATSRESPONSE']._serialized_end=833
-  _globals['_SCHEDULER']._serialized_start=836
-  _globals['_SCHEDULER']._serialized_end=991
+  _globals['_SCHEDULERESPONSE']._serialized_end=502
+  _globals['_GETSTATSREQUEST']._serialized_start=504
+  _globals['_GETSTATSREQUEST']._serialized_end=521
+  _globals['_WORKERSTATS']._serialized_start=524
+  _globals['_WORKERSTATS']._serialized_end=818
+  _globals['_GETSTATSRESPONSE']._serialized_start=820
+  _globals['_GETSTATSRESPONSE']._serialized_end=880
+  _globals['_SCHEDULER']._serialized_start=883
+  _globals['_SCHEDULER']._serialized_end=1038
 # @@protoc_insertion_point(module_scope)

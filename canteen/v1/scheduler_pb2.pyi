@@ -90,6 +90,7 @@ class ScheduleResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last message only."""
     queue_seconds: _builtins.float
@@ -106,6 +107,10 @@ class ScheduleResponse(_message.Message):
     def usage(self) -> _common_pb2.Usage:
         """Set on the last message only."""
 
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]:
+        """The most likely alternatives at each token of token_ids (when sampling.top_logprobs > 0)."""
+
     def __init__(
         self,
         *,
@@ -114,10 +119,11 @@ class ScheduleResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         queue_seconds: _builtins.float = ...,
+        top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "queue_seconds", b"queue_seconds", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "queue_seconds", b"queue_seconds", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

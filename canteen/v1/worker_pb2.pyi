@@ -233,22 +233,28 @@ class SampledToken(_message.Message):
     SEQ_ID_FIELD_NUMBER: _builtins.int
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     """Sequence id."""
     token_id: _builtins.int
     """The token id."""
     logprob: _builtins.float
     """Its log-probability under the model's distribution."""
+    @_builtins.property
+    def top(self) -> _common_pb2.TopLogprobs:
+        """The most likely tokens at this position (when the sequence asked for top_logprobs)."""
+
     def __init__(
         self,
         *,
         seq_id: _builtins.str = ...,
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
+        top: _common_pb2.TopLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["top", b"top"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "seq_id", b"seq_id", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

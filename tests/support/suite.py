@@ -30,6 +30,11 @@ class Service:
     service: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    http_port: int = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
     @property
     def address(self) -> str:
@@ -135,12 +140,24 @@ class Suite:
     def start_gateway(
         self, registry: Service, scheduler: Service, *args: str, name: str = "gateway"
     ) -> Service:
-        return self.spawn(
+        """Also serves HTTP on a free port: ``service.http_url``."""
+        http_port = free_port()
+        svc = self.spawn(
             name,
             "gateway",
-            ["--registry", registry.address, "--scheduler", scheduler.address, *args],
+            [
+                "--registry",
+                registry.address,
+                "--scheduler",
+                scheduler.address,
+                "--http-port",
+                str(http_port),
+                *args,
+            ],
             "canteen.v1.Inference",
         )
+        svc.http_port = http_port
+        return svc
 
     def stop(self) -> dict[str, int]:
         codes = {}

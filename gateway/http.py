@@ -1,0 +1,318 @@
+"""The OpenAI-compatible HTTP edge (aiohttp), in front of the same path as the gRPC API.
+
+    POST /v1/chat/completions   POST /v1/completions   GET /v1/models
+    POST /tokenize              POST /detokenize       GET /healthz
+
+Streams are server-sent events ending in ``data: [DONE]``. Errors are OpenAI's error
+object with the HTTP status mapped from the gRPC code. A client that goes away mid-stream
+cancels its request upstream: the handler is cancelled, and so is the scheduler call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from aiohttp import web
+
+from canteen.logging import get_logger
+from gateway.auth import ApiKeys
+from gateway.catalog import UnknownModelError
+from gateway.openai_api import (
+    ChoiceResult,
+    OpenAIRequest,
+    TokenLogprobs,
+    chunk_json,
+    logprobs_json,
+    new_request_id,
+    parse_request,
+    response_json,
+    usage_chunk_json,
+    usage_json,
+)
+from gateway.service import (
+    GenerateInput,
+    InferenceService,
+    InvalidInputError,
+    TextDelta,
+    UpstreamError,
+)
+
+log = get_logger(__name__)
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+}
+
+
+class HttpError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.code, self.retry_after = code, retry_after
+
+
+def error_body(code: grpc.StatusCode, message: str) -> tuple[int, dict[str, Any]]:
+    status, kind = STATUS.get(code, (500, "internal_error"))
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": code.name}}
+
+
+def error_response(exc: HttpError) -> web.Response:
+    status, body = error_body(exc.code, str(exc))
+    headers = {"Retry-After": str(max(1, round(exc.retry_after + 0.5)))} if status == 429 else {}
+    return web.json_response(body, status=status, headers=headers)
+
+
+def as_http_error(exc: Exception) -> HttpError:
+    if isinstance(exc, HttpError):
+        return exc
+    if isinstance(exc, InvalidInputError):
+        return HttpError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, UnknownModelError):
+        return HttpError(grpc.StatusCode.NOT_FOUND, str(exc))
+    if isinstance(exc, UpstreamError):
+        return HttpError(exc.code, str(exc))
+    raise exc
+
+
+class HttpEdge:
+    def __init__(self, service: InferenceService, keys: ApiKeys, max_body_bytes: int) -> None:
+        self.service = service
+        self.keys = keys
+        self.is_draining = False
+        self.in_flight = 0
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self.chat),
+                web.post("/v1/completions", self.completions),
+                web.get("/v1/models", self.models),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
+                web.get("/healthz", self.healthz),
+            ]
+        )
+
+    @web.middleware
+    async def _middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        given = request.headers.get("x-request-id", "")
+        request_id = given if _REQUEST_ID.fullmatch(given) else new_request_id()
+        request["request_id"] = request_id
+        structlog.contextvars.bind_contextvars(request_id=request_id)
+        self.in_flight += 1
+        try:
+            if request.path != "/healthz":
+                if self.is_draining:
+                    raise HttpError(grpc.StatusCode.UNAVAILABLE, "the gateway is draining")
+                problem = self.keys.check(request.headers.get("Authorization"))
+                if problem is not None:
+                    raise HttpError(grpc.StatusCode.UNAUTHENTICATED, problem)
+            response = await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.app._client_max_size
+            _, body = error_body(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request body exceeds the limit of {limit} bytes (--max-body-bytes)",
+            )
+            response = web.json_response(body, status=413)
+        except (HttpError, InvalidInputError, UnknownModelError, UpstreamError) as exc:
+            response = error_response(as_http_error(exc))
+        finally:
+            self.in_flight -= 1
+            structlog.contextvars.unbind_contextvars("request_id")
+        if not response.prepared:
+            response.headers["x-request-id"] = request_id
+        return response
+
+    async def _body(self, request: web.Request) -> object:
+        try:
+            return await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            raise
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidInputError(f"the request body is not valid JSON: {exc}") from exc
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        req = parse_request(kind, await self._body(request), request["request_id"])
+        if req.user:
+            log.info("request user", user=req.user)
+        # Validate and resolve before any byte is sent, so errors get a real status code.
+        await self.service.prepare(req.inputs[0])
+        if req.stream:
+            return await self._stream(request, req)
+        results = await asyncio.gather(*(self._collect(req, inp) for inp in req.inputs))
+        return web.json_response(response_json(req, results))
+
+    async def _collect(self, req: OpenAIRequest, inp: GenerateInput) -> ChoiceResult:
+        result = ChoiceResult()
+        texts: list[str] = []
+        async for delta in self.service.generate(inp, None):
+            texts.append(delta.text)
+            part = logprobs_json(req, self._token_logprobs(req, delta))
+            if part is not None:
+                result.logprobs.append(part)
+            result.model = delta.model
+            if delta.finish_reason is not None:
+                result.finish_reason = _public_finish(delta.finish_reason)
+                if delta.usage is not None:
+                    u = delta.usage
+                    result.prompt_tokens, result.completion_tokens = (
+                        u.prompt_tokens,
+                        u.completion_tokens,
+                    )
+                    result.cached_tokens = u.cached_tokens
+        result.text = "".join(texts)
+        return result
+
+    def _token_logprobs(self, req: OpenAIRequest, delta: TextDelta) -> TokenLogprobs | None:
+        if not req.logprobs:
+            return None
+        texts = self.service.token_texts(delta.model, delta.token_ids)
+        tops = [
+            list(
+                zip(
+                    self.service.token_texts(delta.model, [t for t, _ in top]),
+                    [p for _, p in top],
+                    strict=True,
+                )
+            )
+            for top in delta.top_logprobs
+        ] or [[] for _ in texts]
+        return TokenLogprobs(texts, delta.logprobs, tops)
+
+    async def _stream(self, request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "x-request-id": request["request_id"],
+            }
+        )
+        await response.prepare(request)
+        usage = [0, 0, 0]
+        model = ""
+        try:
+            async for index, delta, first in self._merged(req):
+                model = delta.model
+                lp = self._token_logprobs(req, delta)
+                if delta.finish_reason is not None:
+                    delta.finish_reason = _public_finish(delta.finish_reason)
+                    if delta.usage is not None:
+                        usage[0] = delta.usage.prompt_tokens
+                        usage[1] += delta.usage.completion_tokens
+                        usage[2] = delta.usage.cached_tokens
+                await _send(response, chunk_json(req, index, delta, lp, first))
+            if req.include_usage:
+                await _send(response, usage_chunk_json(req, model, usage_json(*usage)))
+        except (InvalidInputError, UnknownModelError, UpstreamError) as exc:
+            _, body = error_body(as_http_error(exc).code, str(exc))
+            await _send(response, body)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _merged(self, req: OpenAIRequest) -> AsyncIterator[tuple[int, TextDelta, bool]]:
+        """Every choice's deltas as they come, tagged with the choice index."""
+        queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, inp: GenerateInput) -> None:
+            try:
+                async for delta in self.service.generate(inp, None):
+                    await queue.put((index, delta))
+            except Exception as exc:
+                await queue.put((index, exc))
+            await queue.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, inp)) for i, inp in enumerate(req.inputs)]
+        started: set[int] = set()
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item, index not in started
+                    started.add(index)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def models(self, request: web.Request) -> web.Response:
+        ready = await self.service.ready_models()
+        data = [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "canteen",
+                "version": m.version,
+                "max_model_len": m.max_model_len,
+                "is_ready": m.name in ready,
+            }
+            for m in self.service.catalog.models()
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise InvalidInputError("the request body must be a JSON object")
+        model, ids = await self.service.tokenize(
+            str(body.get("model") or ""), body.get("prompt"), body.get("messages")
+        )
+        return web.json_response({"model": model, "tokens": ids, "count": len(ids)})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        if not isinstance(body, dict):
+            raise InvalidInputError("the request body must be a JSON object")
+        model, text = await self.service.detokenize(
+            str(body.get("model") or ""), body.get("tokens")
+        )
+        return web.json_response({"model": model, "prompt": text})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        status = 503 if self.is_draining else 200
+        return web.json_response(
+            {"status": "draining" if self.is_draining else "ok"}, status=status
+        )
+
+
+def _public_finish(reason: str) -> str:
+    return "stop" if reason == "cancelled" else reason
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+
+async def start_http(edge: HttpEdge, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(edge.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    log.info("http listening", host=host, port=port)
+    return runner

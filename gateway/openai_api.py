@@ -1,0 +1,295 @@
+"""OpenAI wire shapes: JSON bodies in, GenerateInput out; TextDeltas in, JSON chunks out.
+
+Only translation lives here; the request path is gateway/service.py. Unknown body fields
+are ignored, as OpenAI's own clients send fields a server may not know; a known field of the
+wrong type or range is refused with a message naming it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.service import GenerateInput, InvalidInputError, TextDelta
+
+MAX_N = 4
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """One chat or completions request, parsed."""
+
+    kind: str  # "chat" or "completion"
+    inputs: list[GenerateInput]  # one per choice (n)
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    top_logprobs: int
+    model: str
+    user: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_id(self) -> str:
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        return f"{prefix}-{self.inputs[0].request_id}"
+
+
+def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise InvalidInputError(f"{name}: expected {_kind_name(kinds)}, got a boolean")
+    if not isinstance(value, kinds):
+        raise InvalidInputError(f"{name}: expected {_kind_name(kinds)}, got {type(value).__name__}")
+    return value
+
+
+def _kind_name(kinds: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
+    ks = kinds if isinstance(kinds, tuple) else (kinds,)
+    return " or ".join(names.get(k, k.__name__) for k in ks)
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    raw = body.get("messages")
+    if not isinstance(raw, list):
+        raise InvalidInputError("messages: expected a list of {role, content} objects")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise InvalidInputError(f"messages[{i}]: expected an object with role and content")
+        content = m.get("content") or ""
+        if isinstance(content, list):  # content parts: only text parts carry meaning here
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise InvalidInputError(
+                        f"messages[{i}].content[{j}]: only text parts are supported"
+                    )
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise InvalidInputError(f"messages[{i}].content: expected a string or text parts")
+        out.append({"role": str(m.get("role", "")), "content": content})
+    return out
+
+
+def _prompt(body: dict[str, Any]) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidInputError("prompt: expected a string (or a list of exactly one string)")
+    return prompt
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return list(stop)
+    raise InvalidInputError("stop: expected a string or a list of strings")
+
+
+def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
+    """Parses a /v1/chat/completions (kind "chat") or /v1/completions body."""
+    if not isinstance(body, dict):
+        raise InvalidInputError("the request body must be a JSON object")
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise InvalidInputError(f"n={n}: must be in 1..{MAX_N}")
+    max_tokens = _get(body, "max_completion_tokens", int, None)
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", int, None)
+    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    if not 0 <= temperature <= 2:
+        raise InvalidInputError(f"temperature={temperature}: must be in [0, 2]")
+    if kind == "chat":
+        logprobs = bool(_get(body, "logprobs", bool, False))
+        top = _get(body, "top_logprobs", int, 0)
+        if top and not logprobs:
+            raise InvalidInputError("top_logprobs: needs logprobs=true")
+    else:
+        top = _get(body, "logprobs", int, 0)
+        logprobs = "logprobs" in body and body["logprobs"] is not None
+        if _get(body, "echo", bool, False):
+            raise InvalidInputError("echo: not supported")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidInputError(f"top_logprobs={top}: must be in 0..{MAX_TOP_LOGPROBS}")
+    stream_options = _get(body, "stream_options", dict, {})
+    seed = _get(body, "seed", int, None)
+    common = dict(
+        model=_get(body, "model", str, ""),
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        stop=_stop(body),
+        top_logprobs=top,
+        ignore_eos=bool(_get(body, "ignore_eos", bool, False)),  # an extension, as in vLLM
+    )
+    prompt = _prompt(body) if kind == "completion" else None
+    messages = _messages(body) if kind == "chat" else None
+    inputs = [
+        GenerateInput(
+            request_id=request_id if n == 1 else f"{request_id}-{i}",
+            prompt=prompt,
+            messages=messages,
+            seed=None if seed is None else seed + i,
+            **common,
+        )
+        for i in range(n)
+    ]
+    return OpenAIRequest(
+        kind=kind,
+        inputs=inputs,
+        stream=bool(_get(body, "stream", bool, False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        logprobs=logprobs,
+        top_logprobs=top,
+        model=str(common["model"]),
+        user=str(_get(body, "user", str, "")),
+    )
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def usage_json(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One delta's tokens as text, their logprobs, and the alternatives as (text, logprob)."""
+
+    texts: list[str]
+    logprobs: list[float]
+    tops: list[list[tuple[str, float]]]
+
+
+def logprobs_json(req: OpenAIRequest, lp: TokenLogprobs | None) -> dict[str, Any] | None:
+    if not req.logprobs or lp is None:
+        return None
+    if req.kind == "chat":
+        return {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in top
+                    ],
+                }
+                for text, logprob, top in zip(lp.texts, lp.logprobs, lp.tops, strict=True)
+            ]
+        }
+    return {
+        "tokens": lp.texts,
+        "token_logprobs": lp.logprobs,
+        "top_logprobs": [dict(top) for top in lp.tops],
+        "text_offset": [],
+    }
+
+
+def chunk_json(
+    req: OpenAIRequest, index: int, delta: TextDelta, lp: TokenLogprobs | None, first: bool
+) -> dict[str, Any]:
+    """One streamed chunk for choice ``index``."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
+    if req.kind == "chat":
+        choice["delta"] = (
+            {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+        )
+    else:
+        choice["text"] = delta.text
+    choice["logprobs"] = logprobs_json(req, lp)
+    return {
+        "id": req.object_id,
+        "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+        "created": req.created,
+        "model": delta.model,
+        "choices": [choice],
+    }
+
+
+def usage_chunk_json(req: OpenAIRequest, model: str, usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": req.object_id,
+        "object": "chat.completion.chunk" if req.kind == "chat" else "text_completion",
+        "created": req.created,
+        "model": model,
+        "choices": [],
+        "usage": usage,
+    }
+
+
+@dataclass
+class ChoiceResult:
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    model: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def response_json(req: OpenAIRequest, results: list[ChoiceResult]) -> dict[str, Any]:
+    """The non-streaming answer: every choice, and usage summed over choices."""
+    choices = []
+    for i, r in enumerate(results):
+        choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason}
+        if req.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": r.text}
+            choice["logprobs"] = (
+                {"content": [c for part in r.logprobs for c in part["content"]]}
+                if req.logprobs
+                else None
+            )
+        else:
+            choice["text"] = r.text
+            choice["logprobs"] = _merge_completion_logprobs(r.logprobs) if req.logprobs else None
+        choices.append(choice)
+    return {
+        "id": req.object_id,
+        "object": "chat.completion" if req.kind == "chat" else "text_completion",
+        "created": req.created,
+        "model": results[0].model,
+        "choices": choices,
+        "usage": usage_json(
+            results[0].prompt_tokens,
+            sum(r.completion_tokens for r in results),
+            results[0].cached_tokens,
+        ),
+    }
+
+
+def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    merged: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for part in parts:
+        for key in merged:
+            merged[key].extend(part[key])
+    offsets, at = [], 0
+    for token in merged["tokens"]:
+        offsets.append(at)
+        at += len(token)
+    merged["text_offset"] = offsets
+    return merged
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
