@@ -33,6 +33,7 @@ def _up(args: argparse.Namespace) -> int:
         db=args.db,
         worker_args=args.worker_arg,
         host=args.host,
+        http_port=args.http_port,
     )
     return asyncio.run(Launcher(layout).run(ready_timeout=args.ready_timeout))
 
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=50051,
         help="gateway port; scheduler +1, registry +2, workers +10..",
+    )
+    up.add_argument(
+        "--http-port", type=int, default=8080, help="OpenAI-compatible HTTP port (-1: off)"
     )
     up.add_argument("--workers", type=int, default=1, help="number of workers")
     up.add_argument("--model", default="", help="model the workers serve (default: SmolLM2)")

@@ -195,6 +195,11 @@ class Launcher:
         lines = [
             "Canteen is ready:",
             f"  gateway   {lay.host}:{lay.gateway_port}  (canteen.v1.Inference)",
+            *(
+                [f"  http      http://{lay.host}:{lay.http_port}/v1  (OpenAI-compatible)"]
+                if lay.http_port >= 0
+                else []
+            ),
             f"  scheduler 127.0.0.1:{lay.scheduler_port}",
             f"  registry  127.0.0.1:{lay.registry_port}",
             *(f"  worker-{i}  127.0.0.1:{lay.worker_port(i)}" for i in range(lay.num_workers)),

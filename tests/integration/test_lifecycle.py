@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -182,12 +183,15 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
     while base > 65000 - 20:
         base = free_port()
     canteen = Path(sys.executable).parent / "canteen"
+    http_port = free_port()
     up = subprocess.Popen(
         [
             str(canteen),
             "up",
             "--base-port",
             str(base),
+            "--http-port",
+            str(http_port),
             "--workers",
             "2",
             "--model",
@@ -229,6 +233,9 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
         assert "finish=length" in out.stderr and "completion_tokens=5" in out.stderr
         for port in (base + 10, base + 11):
             wait_serving(f"127.0.0.1:{port}", "canteen.v1.Worker", 10)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x")
+        reply = client.completions.create(model="tiny", prompt="The capital", max_tokens=3)
+        assert reply.usage is not None and reply.usage.completion_tokens == 3
     finally:
         up.send_signal(15)
         code = up.wait(90)
