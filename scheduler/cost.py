@@ -6,6 +6,10 @@ worker as load and the machine change. While sequences decode, the prefill chunk
 along is sized so the step takes at most ``max_stall`` times a decode-only step; that is what
 keeps a long prompt from freezing the streams already running (Sarathi-style chunking, but
 with the budget learned rather than configured).
+
+Noise must not turn into a stall: a line that does not rise is not trusted, and the budget
+at most doubles from one step to the next, so one bad fit costs one step of twice the
+chunk, never a whole prompt at once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class StepCostModel:
         self.max_stall = max_stall
         self.min_chunk = min_chunk
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._last_budget = min_chunk
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         d = DECAY
@@ -41,14 +46,19 @@ class StepCostModel:
         if var_n < MIN_SPREAD**2:
             return None
         slope = (self._nt / self._w - mean_n * mean_t) / var_n
-        slope = max(slope, 1e-9)
+        if slope <= 0:
+            return None
         return max(mean_t - slope * mean_n, 0.0), slope
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prefill tokens a step with ``num_decodes`` decodes may add within the stall bound."""
         fitted = self.fit()
         if fitted is None:
-            return self.min_chunk  # small probes until the line is known
-        a, b = fitted
-        target = self.max_stall * (a + b * num_decodes)
-        return max(int((target - a) / b) - num_decodes, self.min_chunk)
+            budget = self.min_chunk  # small probes until the line is known
+        else:
+            a, b = fitted
+            target = self.max_stall * (a + b * num_decodes)
+            budget = max(int((target - a) / b) - num_decodes, self.min_chunk)
+            budget = min(budget, 2 * self._last_budget)
+        self._last_budget = budget
+        return budget

@@ -29,6 +29,16 @@ def test_the_fit_recovers_the_line_and_sizes_the_chunk() -> None:
     assert model.prefill_budget(8) == 28
 
 
+def test_noise_never_grants_more_than_double_the_last_budget() -> None:
+    model = StepCostModel(max_stall=2.0, min_chunk=16)
+    for n, t in [(8, 0.05), (400, 0.049), (8, 0.051), (300, 0.0505)]:  # flat: no slope
+        model.observe(n, t)
+    assert model.fit() is None and model.prefill_budget(8) == 16
+    model.observe(600, 0.06)  # a barely rising line: it would allow thousands of tokens
+    assert model.prefill_budget(8) == 32
+    assert model.prefill_budget(8) == 64
+
+
 def test_steps_of_one_size_never_claim_a_slope() -> None:
     model = StepCostModel(max_stall=3.0, min_chunk=4)
     for _ in range(50):
