@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import os
 import sys
 
@@ -20,6 +21,7 @@ from gateway.auth import ApiKeys
 from gateway.catalog import ModelCatalog
 from gateway.config import GatewayConfig
 from gateway.http import HttpEdge, start_http
+from gateway.screen import Screen, load_screen
 from gateway.server import InferenceServicer
 from gateway.service import InferenceService
 from gateway.tokenizers import TokenizerCache
@@ -42,6 +44,20 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def build_screen(config: GatewayConfig) -> Screen | None:
+    """The configured content screen; a bad spec or config stops the gateway at start."""
+    if not config.screen:
+        return None
+    try:
+        options = json.loads(config.screen_config) if config.screen_config else None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"screen_config: not valid JSON: {exc}") from exc
+    if options is not None and not isinstance(options, dict):
+        raise ValueError("screen_config: must be a JSON object")
+    spec = "gateway.screen:deny_list" if config.screen == "deny-list" else config.screen
+    return load_screen(spec, options)
 
 
 async def follow_scheduler(
@@ -75,7 +91,7 @@ async def serve(config: GatewayConfig) -> None:
     tokenizers = TokenizerCache()
     channel = grpc.aio.insecure_channel(config.scheduler)
     service = InferenceService(
-        config, catalog, tokenizers, scheduler_pb2_grpc.SchedulerStub(channel)
+        config, catalog, tokenizers, scheduler_pb2_grpc.SchedulerStub(channel), build_screen(config)
     )
     inference_pb2_grpc.add_InferenceServicer_to_server(
         InferenceServicer(service, keys), runtime.server

@@ -1,43 +1,209 @@
-"""API keys: kept only as sha256 digests, compared in constant time."""
+"""API keys: kept only as sha256 digests, compared in constant time.
+
+A keys file holds one key a line, optionally followed by options that scope it::
+
+    # team keys
+    sk-alpha                               all models, the gateway's rate limits
+    sk-beta   models=smollm2,tiny          only these models
+    sk-gamma  models=tiny rpm=30 tpm=0     and its own limits (0 = unlimited)
+
+The environment form is a comma-separated list of plain keys (all models, default limits).
+A key is known by its id, the first 8 hex digits of its sha256 digest, so logs and error
+messages can name a key without revealing it.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+_OPTIONS = ("models", "rpm", "tpm")
+
+
+class AuthenticationError(Exception):
+    """The request carries no valid API key (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ModelNotAllowedError(PermissionError):
+    """The key is valid but may not use the model (gRPC PERMISSION_DENIED, HTTP 403)."""
+
+    def __init__(self, key_id: str, model: str, allowed: frozenset[str]) -> None:
+        names = ", ".join(sorted(allowed)) or "none"
+        super().__init__(f"API key {key_id} may not use model {model!r} (allowed: {names})")
+        self.key_id = key_id
+        self.model = model
+        self.allowed = allowed
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a key id, the models it may use and its own rate limits."""
+
+    key_id: str
+    """First 8 hex digits of the key's sha256 digest; safe to log."""
+    models: frozenset[str] | None = None
+    """Model names the key may use; None for all."""
+    rpm: int | None = None
+    """Requests per minute for this key; None for the gateway's default, 0 for unlimited."""
+    tpm: int | None = None
+    """Tokens per minute for this key; None for the gateway's default, 0 for unlimited."""
+
+    def allows(self, model: str) -> bool:
+        """Whether the key may use ``model`` (a name, or a ``name:version`` ref)."""
+        if self.models is None:
+            return True
+        return model in self.models or model.rpartition(":")[0] in self.models
+
+    def require_model(self, model: str) -> None:
+        """Raises ModelNotAllowedError unless the key may use ``model``."""
+        if self.models is not None and not self.allows(model):
+            raise ModelNotAllowedError(self.key_id, model, self.models)
+
+
+ANONYMOUS = Principal(key_id="anonymous")
+"""The principal of every request when no API keys are configured."""
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One configured key and its options, before it is hashed."""
+
+    key: str = field(repr=False)
+    models: frozenset[str] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+
+
+def key_id(key: str) -> str:
+    """The id that names ``key`` in logs and messages."""
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def parse_key_line(line: str) -> KeySpec:
+    """``KEY [models=a,b] [rpm=N] [tpm=N]`` to a KeySpec; ValueError says what is wrong.
+
+    Messages never quote the key, nor text that might be part of one.
+    """
+    key, *options = line.split()
+    values: dict[str, str] = {}
+    for option in options:
+        name, sep, value = option.partition("=")
+        if not sep:
+            raise ValueError(
+                "unexpected text after the key (keys cannot contain spaces); "
+                "options are models=, rpm= and tpm="
+            )
+        if name not in _OPTIONS:
+            raise ValueError(f"unknown option {name!r}; options are models=, rpm= and tpm=")
+        if name in values:
+            raise ValueError(f"option {name}= is given twice")
+        values[name] = value
+    return KeySpec(
+        key,
+        _parse_models(values["models"]) if "models" in values else None,
+        _parse_limit("rpm", values["rpm"]) if "rpm" in values else None,
+        _parse_limit("tpm", values["tpm"]) if "tpm" in values else None,
+    )
+
+
+def _parse_models(value: str) -> frozenset[str]:
+    names = [n.strip() for n in value.split(",")]
+    if not value or not all(names):
+        raise ValueError(f"models={value!r}: must be a comma-separated list of model names")
+    return frozenset(names)
+
+
+def _parse_limit(name: str, value: str) -> int:
+    if not value.isdigit():
+        raise ValueError(f"{name}={value!r}: must be a whole number >= 0 (0 = unlimited)")
+    return int(value)
 
 
 class ApiKeys:
-    def __init__(self, keys: list[str]) -> None:
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys if k]
+    """The configured keys; ``authenticate`` turns an authorization header into a Principal."""
+
+    def __init__(self, keys: Iterable[str | KeySpec]) -> None:
+        self._entries: list[tuple[bytes, Principal]] = []
+        by_id: dict[str, tuple[bytes, Principal]] = {}
+        for item in keys:
+            spec = KeySpec(item) if isinstance(item, str) else item
+            if not spec.key:
+                continue
+            digest = hashlib.sha256(spec.key.encode()).digest()
+            principal = Principal(digest.hex()[:8], spec.models, spec.rpm, spec.tpm)
+            known = by_id.get(principal.key_id)
+            if known is None:
+                by_id[principal.key_id] = (digest, principal)
+                self._entries.append((digest, principal))
+            elif known[0] != digest:
+                raise ValueError(f"two API keys share the key id {principal.key_id}; replace one")
+            elif known[1] != principal:
+                raise ValueError(f"API key {principal.key_id} is listed twice with other options")
 
     @classmethod
     def load(cls, keys_file: str, keys_env: str) -> ApiKeys:
-        keys = [k.strip() for k in keys_env.split(",") if k.strip()]
+        """Keys from the comma-separated ``keys_env`` and the lines of ``keys_file``."""
+        keys: list[str | KeySpec] = [k.strip() for k in keys_env.split(",") if k.strip()]
         if keys_file:
             path = Path(keys_file)
             if not path.is_file():
                 raise ValueError(f"api_keys_file={keys_file!r}: no such file")
-            for line in path.read_text().splitlines():
+            for number, line in enumerate(path.read_text().splitlines(), start=1):
                 line = line.strip()
-                if line and not line.startswith("#"):
-                    keys.append(line)
-        return cls(keys)
+                if not line or line.startswith("#"):
+                    continue
+                try:
+                    keys.append(parse_key_line(line))
+                except ValueError as exc:
+                    raise ValueError(f"api_keys_file={keys_file!r} line {number}: {exc}") from None
+        try:
+            return cls(keys)
+        except ValueError as exc:
+            raise ValueError(f"api keys: {exc}") from None
 
     @property
     def is_enabled(self) -> bool:
-        return bool(self._digests)
+        return bool(self._entries)
+
+    @property
+    def principals(self) -> list[Principal]:
+        """Every configured key's principal, in the order configured."""
+        return [principal for _, principal in self._entries]
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The caller behind an ``authorization`` header; raises AuthenticationError.
+
+        Returns ANONYMOUS when no keys are configured.
+        """
+        if not self.is_enabled:
+            return ANONYMOUS
+        if not authorization:
+            raise AuthenticationError(
+                "missing authorization metadata; send 'authorization: Bearer KEY'"
+            )
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthenticationError("authorization must be 'Bearer KEY'")
+        digest = hashlib.sha256(key.strip().encode()).digest()
+        found: Principal | None = None
+        for known, principal in self._entries:  # no early exit: timing says nothing
+            if hmac.compare_digest(digest, known):
+                found = principal
+        if found is None:
+            raise AuthenticationError("invalid API key")
+        return found
 
     def check(self, authorization: str | None) -> str | None:
         """None when the header carries a valid key, else the reason it does not."""
-        if not self.is_enabled:
-            return None
-        if not authorization:
-            return "missing authorization metadata; send 'authorization: Bearer KEY'"
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            return "authorization must be 'Bearer KEY'"
-        digest = hashlib.sha256(key.strip().encode()).digest()
-        if any(hmac.compare_digest(digest, known) for known in self._digests):
-            return None
-        return "invalid API key"
+        try:
+            self.authenticate(authorization)
+        except AuthenticationError as exc:
+            return exc.reason
+        return None

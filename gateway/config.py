@@ -23,6 +23,14 @@ class GatewayConfig:
     max_messages: int = option(256, "most chat messages in one request")
     max_stop_strings: int = option(16, "most stop strings in one request")
     max_stop_length: int = option(256, "longest stop string, in characters")
+    rate_limit_rpm: int = option(0, "requests per minute per API key (0: unlimited)")
+    rate_limit_tpm: int = option(
+        0, "tokens per minute per API key, prompt plus max_tokens reserved (0: unlimited)"
+    )
+    screen: str = option(
+        "", "content screen: 'deny-list' (built in) or a 'package.module:factory' entry point"
+    )
+    screen_config: str = option("", "JSON object passed to the screen's factory")
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
 
     def __post_init__(self) -> None:
@@ -36,3 +44,5 @@ class GatewayConfig:
         for name in ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_length"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
+        require(self.rate_limit_rpm >= 0, "rate_limit_rpm", self.rate_limit_rpm, "must be >= 0")
+        require(self.rate_limit_tpm >= 0, "rate_limit_tpm", self.rate_limit_tpm, "must be >= 0")

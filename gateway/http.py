@@ -21,8 +21,8 @@ import structlog
 from aiohttp import web
 
 from canteen.logging import get_logger
-from gateway.auth import ApiKeys
-from gateway.catalog import UnknownModelError
+from gateway.auth import ApiKeys, AuthenticationError
+from gateway.limits import RateLimitedError
 from gateway.openai_api import (
     ChoiceResult,
     OpenAIRequest,
@@ -35,13 +35,8 @@ from gateway.openai_api import (
     usage_chunk_json,
     usage_json,
 )
-from gateway.service import (
-    GenerateInput,
-    InferenceService,
-    InvalidInputError,
-    TextDelta,
-    UpstreamError,
-)
+from gateway.server import status_of
+from gateway.service import Admitted, InferenceService, InvalidInputError, TextDelta, UpstreamError
 
 log = get_logger(__name__)
 
@@ -79,13 +74,14 @@ def error_response(exc: HttpError) -> web.Response:
 def as_http_error(exc: Exception) -> HttpError:
     if isinstance(exc, HttpError):
         return exc
-    if isinstance(exc, InvalidInputError):
-        return HttpError(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, UnknownModelError):
-        return HttpError(grpc.StatusCode.NOT_FOUND, str(exc))
-    if isinstance(exc, UpstreamError):
-        return HttpError(exc.code, str(exc))
-    raise exc
+    if isinstance(exc, AuthenticationError):
+        return HttpError(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+    if isinstance(exc, RateLimitedError):
+        return HttpError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
+    code = status_of(exc)
+    if code is None:
+        raise exc
+    return HttpError(code, str(exc))
 
 
 class HttpEdge:
@@ -119,9 +115,7 @@ class HttpEdge:
             if request.path != "/healthz":
                 if self.is_draining:
                     raise HttpError(grpc.StatusCode.UNAVAILABLE, "the gateway is draining")
-                problem = self.keys.check(request.headers.get("Authorization"))
-                if problem is not None:
-                    raise HttpError(grpc.StatusCode.UNAUTHENTICATED, problem)
+                request["principal"] = self.keys.authenticate(request.headers.get("Authorization"))
             response = await handler(request)
         except web.HTTPRequestEntityTooLarge:
             limit = self.app._client_max_size
@@ -130,8 +124,8 @@ class HttpEdge:
                 f"the request body exceeds the limit of {limit} bytes (--max-body-bytes)",
             )
             response = web.json_response(body, status=413)
-        except (HttpError, InvalidInputError, UnknownModelError, UpstreamError) as exc:
-            response = error_response(as_http_error(exc))
+        except Exception as exc:
+            response = error_response(as_http_error(exc))  # re-raises what it does not know
         finally:
             self.in_flight -= 1
             structlog.contextvars.unbind_contextvars("request_id")
@@ -157,17 +151,25 @@ class HttpEdge:
         req = parse_request(kind, await self._body(request), request["request_id"])
         if req.user:
             log.info("request user", user=req.user)
-        # Validate and resolve before any byte is sent, so errors get a real status code.
-        await self.service.prepare(req.inputs[0])
+        # Every check (and the rate limit) passes before any byte is sent, so errors get a
+        # real status code.
+        admitted: list[Admitted] = []
+        try:
+            for inp in req.inputs:
+                admitted.append(await self.service.admit(inp, request["principal"]))
+        except Exception:
+            for a in admitted:
+                a.reservation.settle(0)
+            raise
         if req.stream:
-            return await self._stream(request, req)
-        results = await asyncio.gather(*(self._collect(req, inp) for inp in req.inputs))
+            return await self._stream(request, req, admitted)
+        results = await asyncio.gather(*(self._collect(req, a) for a in admitted))
         return web.json_response(response_json(req, results))
 
-    async def _collect(self, req: OpenAIRequest, inp: GenerateInput) -> ChoiceResult:
+    async def _collect(self, req: OpenAIRequest, admitted: Admitted) -> ChoiceResult:
         result = ChoiceResult()
         texts: list[str] = []
-        async for delta in self.service.generate(inp, None):
+        async for delta in self.service.stream(admitted, None):
             texts.append(delta.text)
             part = logprobs_json(req, self._token_logprobs(req, delta))
             if part is not None:
@@ -201,7 +203,9 @@ class HttpEdge:
         ] or [[] for _ in texts]
         return TokenLogprobs(texts, delta.logprobs, tops)
 
-    async def _stream(self, request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, req: OpenAIRequest, admitted: list[Admitted]
+    ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -213,7 +217,7 @@ class HttpEdge:
         usage = [0, 0, 0]
         model = ""
         try:
-            async for index, delta, first in self._merged(req):
+            async for index, delta, first in self._merged(admitted):
                 model = delta.model
                 lp = self._token_logprobs(req, delta)
                 if delta.finish_reason is not None:
@@ -225,26 +229,26 @@ class HttpEdge:
                 await _send(response, chunk_json(req, index, delta, lp, first))
             if req.include_usage:
                 await _send(response, usage_chunk_json(req, model, usage_json(*usage)))
-        except (InvalidInputError, UnknownModelError, UpstreamError) as exc:
-            _, body = error_body(as_http_error(exc).code, str(exc))
+        except UpstreamError as exc:
+            _, body = error_body(exc.code, str(exc))
             await _send(response, body)
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
-    async def _merged(self, req: OpenAIRequest) -> AsyncIterator[tuple[int, TextDelta, bool]]:
+    async def _merged(self, admitted: list[Admitted]) -> AsyncIterator[tuple[int, TextDelta, bool]]:
         """Every choice's deltas as they come, tagged with the choice index."""
         queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
 
-        async def pump(index: int, inp: GenerateInput) -> None:
+        async def pump(index: int, one: Admitted) -> None:
             try:
-                async for delta in self.service.generate(inp, None):
+                async for delta in self.service.stream(one, None):
                     await queue.put((index, delta))
             except Exception as exc:
                 await queue.put((index, exc))
             await queue.put((index, None))
 
-        tasks = [asyncio.ensure_future(pump(i, inp)) for i, inp in enumerate(req.inputs)]
+        tasks = [asyncio.ensure_future(pump(i, a)) for i, a in enumerate(admitted)]
         started: set[int] = set()
         try:
             remaining = len(tasks)

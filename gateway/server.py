@@ -10,8 +10,9 @@ import grpc
 import structlog
 
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from gateway.auth import ApiKeys
+from gateway.auth import ApiKeys, AuthenticationError, ModelNotAllowedError, Principal
 from gateway.catalog import UnknownModelError
+from gateway.limits import NeverFitsError, RateLimitedError
 from gateway.service import (
     GenerateInput,
     InferenceService,
@@ -53,6 +54,21 @@ def input_from_pb(msg: inference_pb2.GenerateRequest, request_id: str) -> Genera
     )
 
 
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC code of an error the request path raises on purpose, else None."""
+    if isinstance(exc, (InvalidInputError, NeverFitsError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, UnknownModelError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, ModelNotAllowedError):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, RateLimitedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, UpstreamError):
+        return exc.code
+    return None
+
+
 def _usage_to_pb(delta: TextDelta) -> common_pb2.Usage | None:
     if delta.usage is None:
         return None
@@ -69,31 +85,35 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self._service = service
         self._keys = keys
 
-    async def _begin(self, context: grpc.aio.ServicerContext) -> str:
+    async def _begin(self, context: grpc.aio.ServicerContext) -> Principal:
         metadata = {k: v for k, v in (context.invocation_metadata() or ())}
-        problem = self._keys.check(str(metadata.get("authorization", "")) or None)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
+        try:
+            principal = self._keys.authenticate(str(metadata.get("authorization", "")) or None)
+        except AuthenticationError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         given = str(metadata.get("x-request-id", ""))
         request_id = given if _REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
         structlog.contextvars.bind_contextvars(request_id=request_id)
         await context.send_initial_metadata((("x-request-id", request_id),))
-        return request_id
+        return principal
 
     async def _stream(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[TextDelta]:
-        request_id = await self._begin(context)
+        principal = await self._begin(context)
+        request_id = str(structlog.contextvars.get_contextvars()["request_id"])
         inp = input_from_pb(request, request_id)
         try:
-            async for delta in self._service.generate(inp, context.time_remaining()):
+            async for delta in self._service.generate(inp, context.time_remaining(), principal):
                 yield delta
-        except InvalidInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except UnknownModelError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except UpstreamError as exc:
-            await context.abort(exc.code, str(exc))
+        except RateLimitedError as exc:
+            context.set_trailing_metadata((("retry-after", f"{exc.retry_after:.3f}"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Exception as exc:
+            code = status_of(exc)
+            if code is None:
+                raise
+            await context.abort(code, str(exc))
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext

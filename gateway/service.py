@@ -15,14 +15,18 @@ import grpc
 
 from canteen.logging import get_logger
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from gateway.auth import ANONYMOUS, Principal
 from gateway.catalog import ModelCatalog, ModelVersion
 from gateway.config import GatewayConfig
+from gateway.limits import RateLimiter, Reservation
+from gateway.screen import Screen, StreamScreen, screen_prompt
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from gateway.tokenizers import TemplateError, Tokenizer, TokenizerCache
 
 log = get_logger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
+UNSET_MAX_TOKENS_RESERVE = 512  # tokens a request without max_tokens reserves for its answer
 
 
 class InvalidInputError(ValueError):
@@ -51,6 +55,18 @@ class GenerateInput:
     ignore_eos: bool = False
     priority: int = 0
     top_logprobs: int = 0
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request that passed every check and holds its rate-limit reservation."""
+
+    inp: GenerateInput
+    model: ModelVersion
+    tokenizer: Tokenizer
+    ids: list[int]
+    max_tokens: int
+    reservation: Reservation
 
 
 @dataclass
@@ -85,11 +101,14 @@ class InferenceService:
         catalog: ModelCatalog,
         tokenizers: TokenizerCache,
         scheduler: scheduler_pb2_grpc.SchedulerStub,
+        screen: Screen | None = None,
     ) -> None:
         self.config = config
         self.catalog = catalog
         self.tokenizers = tokenizers
         self.scheduler = scheduler
+        self.screen = screen
+        self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
 
     async def ready_models(self) -> set[str]:
         """Names of the models a ready worker serves now (empty when the scheduler is away)."""
@@ -206,15 +225,39 @@ class InferenceService:
         tokenizer = self.tokenizers.loaded(model_ref)
         return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
-    async def generate(self, inp: GenerateInput, timeout: float | None) -> AsyncIterator[TextDelta]:
+    async def admit(self, inp: GenerateInput, principal: Principal = ANONYMOUS) -> Admitted:
+        """Everything that can refuse a request before any token: shape, model, the key's
+        allow list, the content screen, the rate limit."""
         model, tokenizer, ids = await self.prepare(inp)
+        principal.require_model(model.name)
+        if self.screen is not None:
+            reason = screen_prompt(self.screen, inp.prompt, inp.messages)
+            if reason is not None:
+                raise InvalidInputError(reason)
         max_tokens = inp.max_tokens or model.max_model_len - len(ids)
+        # An unset max_tokens reserves a bounded guess; settle() charges what was used.
+        reserved = len(ids) + (inp.max_tokens or min(max_tokens, UNSET_MAX_TOKENS_RESERVE))
+        reservation = self.limiter.reserve(
+            principal.key_id, reserved, rpm=principal.rpm, tpm=principal.tpm
+        )
+        return Admitted(inp, model, tokenizer, ids, max_tokens, reservation)
+
+    async def generate(
+        self, inp: GenerateInput, timeout: float | None, principal: Principal = ANONYMOUS
+    ) -> AsyncIterator[TextDelta]:
+        admitted = await self.admit(inp, principal)
+        async for delta in self.stream(admitted, timeout):
+            yield delta
+
+    async def stream(self, admitted: Admitted, timeout: float | None) -> AsyncIterator[TextDelta]:
+        """Runs an admitted request; its reservation is settled with the tokens it used."""
+        inp, model, ids = admitted.inp, admitted.model, admitted.ids
         request = scheduler_pb2.ScheduleRequest(
             request_id=inp.request_id,
             model=model.name,
             version=model.version,
             prompt_token_ids=ids,
-            max_tokens=max_tokens,
+            max_tokens=admitted.max_tokens,
             sampling=common_pb2.SamplingParams(
                 temperature=inp.temperature,
                 top_p=inp.top_p,
@@ -227,9 +270,13 @@ class InferenceService:
             priority=inp.priority,
         )
         log.info(
-            "request accepted", model=model.ref, num_prompt_tokens=len(ids), max_tokens=max_tokens
+            "request accepted",
+            model=model.ref,
+            num_prompt_tokens=len(ids),
+            max_tokens=admitted.max_tokens,
         )
-        detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(inp.stop)
+        detok, stops = IncrementalDetokenizer(admitted.tokenizer), StopMatcher(inp.stop)
+        screen = StreamScreen(self.screen) if self.screen is not None else None
         num_tokens = 0
         call = self.scheduler.Generate(
             request, timeout=timeout, metadata=(("x-request-id", inp.request_id),)
@@ -238,14 +285,21 @@ class InferenceService:
             async for msg in call:
                 num_tokens += len(msg.token_ids)
                 delta = _delta(msg, stops.push(detok.push(list(msg.token_ids))), model.ref)
+                if msg.finish_reason and not stops.is_stopped:
+                    delta.text += stops.push(detok.flush())
+                    delta.text += stops.flush()
+                if screen is not None and screen.push(delta.text) is not None:
+                    log.info("output cut by the content screen", reason=screen.reason)
+                    delta.text, delta.finish_reason = "", "content_filter"
+                    delta.usage = Usage(len(ids), num_tokens, 0)
+                    yield delta
+                    return
                 if stops.is_stopped:
                     delta.finish_reason, delta.usage = "stop", Usage(len(ids), num_tokens, 0)
                     yield delta
                     return
                 if msg.finish_reason:
-                    delta.text += stops.push(detok.flush())
-                    delta.text += stops.flush()
-                    delta.finish_reason = "stop" if stops.is_stopped else _FINISH[msg.finish_reason]
+                    delta.finish_reason = _FINISH[msg.finish_reason]
                     u = msg.usage
                     delta.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
                     yield delta
@@ -256,6 +310,7 @@ class InferenceService:
             raise UpstreamError(exc.code(), exc.details() or "scheduler error") from exc
         finally:
             call.cancel()
+            admitted.reservation.settle(len(ids) + num_tokens)
 
 
 def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> TextDelta:
