@@ -50,6 +50,8 @@ test: install check-protos lint typecheck
 
 bench: install
 	$(PY) bench/throughput.py
+	$(PY) bench/http_vs_grpc.py
+	$(PY) bench/kv.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

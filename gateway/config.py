@@ -21,6 +21,8 @@ class GatewayConfig:
     api_keys: str = option("", "comma-separated API keys")
     max_prompt_chars: int = option(1_000_000, "longest prompt or message list, in characters")
     max_messages: int = option(256, "most chat messages in one request")
+    max_prompt_tokens: int = option(0, "most prompt tokens in one request (0: the model's context)")
+    max_output_tokens: int = option(0, "largest max_tokens a request may ask for (0: no limit)")
     max_stop_strings: int = option(16, "most stop strings in one request")
     max_stop_length: int = option(256, "longest stop string, in characters")
     rate_limit_rpm: int = option(0, "requests per minute per API key (0: unlimited)")
@@ -44,5 +46,7 @@ class GatewayConfig:
         for name in ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_length"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
+        for name in ("max_prompt_tokens", "max_output_tokens"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.rate_limit_rpm >= 0, "rate_limit_rpm", self.rate_limit_rpm, "must be >= 0")
         require(self.rate_limit_tpm >= 0, "rate_limit_tpm", self.rate_limit_tpm, "must be >= 0")

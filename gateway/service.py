@@ -134,6 +134,15 @@ class InferenceService:
             _check_messages(inp.messages, c.max_messages, c.max_prompt_chars)
         if inp.max_tokens is not None and inp.max_tokens < 1:
             raise InvalidInputError(f"max_tokens={inp.max_tokens}: must be >= 1")
+        if (
+            c.max_output_tokens
+            and inp.max_tokens is not None
+            and inp.max_tokens > c.max_output_tokens
+        ):
+            raise InvalidInputError(
+                f"max_tokens={inp.max_tokens}: the limit is {c.max_output_tokens} "
+                "(--max-output-tokens)"
+            )
         if not inp.temperature >= 0:
             raise InvalidInputError(f"temperature={inp.temperature}: must be >= 0")
         if not 0 < inp.top_p <= 1:
@@ -166,6 +175,11 @@ class InferenceService:
             raise InvalidInputError(str(exc)) from exc
         if not ids:
             raise InvalidInputError("the prompt is empty after tokenization")
+        if self.config.max_prompt_tokens and len(ids) > self.config.max_prompt_tokens:
+            raise InvalidInputError(
+                f"prompt has {len(ids)} tokens; the limit is {self.config.max_prompt_tokens} "
+                "(--max-prompt-tokens)"
+            )
         limit = model.max_model_len
         if len(ids) >= limit:
             raise InvalidInputError(
@@ -234,7 +248,9 @@ class InferenceService:
             reason = screen_prompt(self.screen, inp.prompt, inp.messages)
             if reason is not None:
                 raise InvalidInputError(reason)
-        max_tokens = inp.max_tokens or model.max_model_len - len(ids)
+        max_tokens = inp.max_tokens or min(
+            model.max_model_len - len(ids), self.config.max_output_tokens or model.max_model_len
+        )
         # An unset max_tokens reserves a bounded guess; settle() charges what was used.
         reserved = len(ids) + (inp.max_tokens or min(max_tokens, UNSET_MAX_TOKENS_RESERVE))
         reservation = self.limiter.reserve(

@@ -49,6 +49,12 @@ def guarded(
         "deny-list",
         "--screen-config",
         json.dumps(screen),
+        "--max-prompt-tokens",
+        "50",
+        "--max-output-tokens",
+        "40",
+        "--max-body-bytes",
+        "2048",
         name="gateway-guarded",
     )
     yield gateway
@@ -139,6 +145,29 @@ def test_the_output_screen_cuts_the_stream_with_content_filter(
             )
         )
     assert out[-1].finish_reason == common_pb2.FINISH_REASON_CONTENT_FILTER
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "message"),
+    [
+        ({"prompt": "king and queen " * 40}, 400, "the limit is 50 (--max-prompt-tokens)"),
+        ({"prompt": "a", "max_tokens": 41}, 400, "max_tokens=41: the limit is 40"),
+        ({"prompt": "a" * 3000}, 413, "exceeds the limit of 2048 bytes (--max-body-bytes)"),
+        ({"prompt": "a", "stop": ["x"] * 17}, 400, "stop has 17 strings; the limit is 16"),
+        ({"prompt": "a", "stop": ["x" * 300]}, 400, "stop strings must have 1..256 characters"),
+    ],
+)
+def test_hard_input_limits_name_the_limit(
+    guarded: Service, body: dict[str, object], status: int, message: str
+) -> None:
+    reply = httpx.post(
+        f"{guarded.http_url}/v1/completions",
+        json={"model": "tiny", **body},
+        headers={"Authorization": "Bearer open-key"},
+        timeout=30,
+    )
+    assert reply.status_code == status, reply.text
+    assert message in reply.json()["error"]["message"]
 
 
 def test_a_bad_screen_spec_stops_the_gateway_at_start(suite: TinySuite, tmp_path: Path) -> None:

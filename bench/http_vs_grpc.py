@@ -1,0 +1,126 @@
+"""Output throughput over the OpenAI-compatible HTTP edge vs over gRPC, in one run.
+
+One suite on SmolLM2; each round runs N concurrent streams of M new tokens (ignore_eos)
+over gRPC (canteen.v1.Inference/Generate) and then over HTTP (server-sent events from
+/v1/chat/completions, read with aiohttp), alternating which goes first. The ratio per
+round is paired.
+
+Usage: python bench/http_vs_grpc.py [--streams 16] [--tokens 64] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.throughput import QUESTIONS
+from canteen.models import DEFAULT_MODEL_NAME
+from canteen.v1 import inference_pb2, inference_pb2_grpc
+from tests.support.suite import Suite, wait_serving
+
+
+async def over_grpc(address: str, n: int, tokens: int) -> float:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(i: int) -> int:
+            req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
+            req.messages.messages.add(role="user", content=QUESTIONS[i % len(QUESTIONS)])
+            return sum([len(m.token_ids) async for m in stub.Generate(req, timeout=600)])
+
+        start = time.perf_counter()
+        produced = sum(await asyncio.gather(*(one(i) for i in range(n))))
+    assert produced == n * tokens, produced
+    return produced / (time.perf_counter() - start)
+
+
+async def over_http(url: str, n: int, tokens: int) -> float:
+    async with aiohttp.ClientSession() as session:
+
+        async def one(i: int) -> int:
+            body = {
+                "model": DEFAULT_MODEL_NAME,
+                "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                "max_tokens": tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            completion = 0
+            async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+                async for line in reply.content:
+                    if line.startswith(b"data: {"):
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            completion = chunk["usage"]["completion_tokens"]
+            return completion
+
+        start = time.perf_counter()
+        produced = sum(await asyncio.gather(*(one(i) for i in range(n))))
+    assert produced == n * tokens, produced
+    return produced / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    results: dict[str, list[float]] = {"grpc": [], "http": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        suite = Suite(Path(tmp))
+        try:
+            registry = suite.start_registry()
+            scheduler = suite.start_scheduler(registry)
+            suite.start_worker(registry, DEFAULT_MODEL_NAME, "--kv-cache-memory", "512MiB")
+            wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
+            gateway = suite.start_gateway(registry, scheduler)
+            asyncio.run(over_grpc(gateway.address, 2, 4))  # warm both paths
+            asyncio.run(over_http(gateway.http_url, 2, 4))
+            for r in range(args.rounds):
+                order = ["grpc", "http"] if r % 2 == 0 else ["http", "grpc"]
+                for kind in order:
+                    run = (
+                        over_http(gateway.http_url, args.streams, args.tokens)
+                        if kind == "http"
+                        else over_grpc(gateway.address, args.streams, args.tokens)
+                    )
+                    results[kind].append(asyncio.run(run))
+                print(
+                    f"round {r + 1}: grpc {results['grpc'][-1]:.1f} tok/s, "
+                    f"http {results['http'][-1]:.1f} tok/s",
+                    flush=True,
+                )
+        finally:
+            suite.stop()
+    paired = [h / g for h, g in zip(results["http"], results["grpc"], strict=True)]
+    report = {
+        "streams": args.streams,
+        "tokens": args.tokens,
+        "tok_per_s": results,
+        "http_over_grpc_per_round": paired,
+        "http_over_grpc_median": statistics.median(paired),
+    }
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
