@@ -69,6 +69,14 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
     return None
 
 
+async def _abort_known(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Ends the call with the status of a known error; re-raises anything else."""
+    code = status_of(exc)
+    if code is None:
+        raise exc
+    await context.abort(code, str(exc))
+
+
 def _usage_to_pb(delta: TextDelta) -> common_pb2.Usage | None:
     if delta.usage is None:
         return None
@@ -110,10 +118,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             context.set_trailing_metadata((("retry-after", f"{exc.retry_after:.3f}"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Exception as exc:
-            code = status_of(exc)
-            if code is None:
-                raise
-            await context.abort(code, str(exc))
+            await _abort_known(context, exc)
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -169,10 +174,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 request.prompt if which == "prompt" else None,
                 messages if which == "messages" else None,
             )
-        except InvalidInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except UnknownModelError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except Exception as exc:
+            await _abort_known(context, exc)
         return inference_pb2.TokenizeResponse(model=model, token_ids=ids)
 
     async def Detokenize(
@@ -181,10 +184,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         await self._begin(context)
         try:
             model, text = await self._service.detokenize(request.model, list(request.token_ids))
-        except InvalidInputError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except UnknownModelError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except Exception as exc:
+            await _abort_known(context, exc)
         return inference_pb2.DetokenizeResponse(model=model, text=text)
 
     async def ListModels(
