@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -59,8 +60,14 @@ def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(total - free, torch.cuda.max_memory_reserved(device))
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM is this address space's peak; ru_maxrss would carry over the peak of the parent
+    # that forked us (it survives execve), e.g. a large test runner.
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def size_pool(

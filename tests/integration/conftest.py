@@ -38,7 +38,8 @@ def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             "--default-model",
             "tiny",
         )
-        scheduler = s.start_scheduler(registry)
+        # No stall bound: the KV pressure test wants admission as fast as the pool allows.
+        scheduler = s.start_scheduler(registry, "--max-step-stall", "0")
         worker = s.start_worker(
             registry,
             "tiny",
