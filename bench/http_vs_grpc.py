@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.throughput import QUESTIONS
 from canteen.models import DEFAULT_MODEL_NAME
 from canteen.v1 import inference_pb2, inference_pb2_grpc
-from tests.support.suite import Suite, wait_serving
+from tests.support.suite import default_model_stack
 
 
 async def over_grpc(address: str, n: int, tokens: int) -> float:
@@ -84,13 +84,8 @@ def main() -> None:
     args = parser.parse_args()
     results: dict[str, list[float]] = {"grpc": [], "http": []}
     with tempfile.TemporaryDirectory() as tmp:
-        suite = Suite(Path(tmp))
-        try:
-            registry = suite.start_registry()
-            scheduler = suite.start_scheduler(registry)
-            suite.start_worker(registry, DEFAULT_MODEL_NAME, "--kv-cache-memory", "512MiB")
-            wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
-            gateway = suite.start_gateway(registry, scheduler)
+        with default_model_stack(Path(tmp), worker_args=["--kv-cache-memory", "512MiB"]) as s:
+            gateway = s.gateway
             asyncio.run(over_grpc(gateway.address, 2, 4))  # warm both paths
             asyncio.run(over_http(gateway.http_url, 2, 4))
             for r in range(args.rounds):
@@ -107,8 +102,6 @@ def main() -> None:
                     f"http {results['http'][-1]:.1f} tok/s",
                     flush=True,
                 )
-        finally:
-            suite.stop()
     paired = [h / g for h, g in zip(results["http"], results["grpc"], strict=True)]
     report = {
         "streams": args.streams,

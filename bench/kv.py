@@ -23,8 +23,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +30,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canteen.models import DEFAULT_MODEL_NAME, default_model_path
+from canteen.models import default_model_path
 from canteen.v1 import (
     inference_pb2,
     inference_pb2_grpc,
@@ -41,34 +39,13 @@ from canteen.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from tests.support.suite import Service, Suite, wait_serving
+from tests.support.suite import default_model_stack
 
+THREADS = ["--threads", "2"]
 WORDS = (
     "kitchen order ticket broth noodle ladle simmer pantry basil garlic onion pepper salt "
     "butter flour yeast dough oven timer plate spoon bowl steam grill wok pan knife board"
 ).split()
-
-
-@dataclass
-class Stack:
-    gateway: str
-    scheduler: str
-    worker: Service
-
-
-@contextmanager
-def stack(workdir: Path, scheduler_args: list[str], worker_args: list[str]) -> Iterator[Stack]:
-    workdir.mkdir(parents=True, exist_ok=True)
-    suite = Suite(workdir)
-    try:
-        registry = suite.start_registry()
-        scheduler = suite.start_scheduler(registry, *scheduler_args)
-        worker = suite.start_worker(registry, DEFAULT_MODEL_NAME, "--threads", "2", *worker_args)
-        wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
-        gateway = suite.start_gateway(registry, scheduler)
-        yield Stack(gateway.address, scheduler.address, worker)
-    finally:
-        suite.stop()
 
 
 @dataclass
@@ -133,16 +110,16 @@ def shared_prefix(tokenizer: object, tmp: Path, rounds: int) -> dict[str, object
     out: dict[str, dict[str, list[float]]] = {
         m: {"ttft": [], "tok_s": [], "errors": []} for m in ("cache", "no_cache")
     }
-    worker = ["--kv-cache-memory", "1GiB"]
+    worker = [*THREADS, "--kv-cache-memory", "1GiB"]
     with (
-        stack(tmp / "cache", [], worker) as on,
-        stack(tmp / "nocache", ["--no-prefix-cache"], worker) as off,
+        default_model_stack(tmp / "cache", [], worker) as on,
+        default_model_stack(tmp / "nocache", ["--no-prefix-cache"], worker) as off,
     ):
         for r in range(rounds):
             system = f"Session {r}. " + text_of_tokens(tokenizer, 505, r)
             for mode, s in (("cache", on), ("no_cache", off)):
                 start = time.perf_counter()
-                traces = asyncio.run(shared_round(s.gateway, system, questions))
+                traces = asyncio.run(shared_round(s.gateway.address, system, questions))
                 elapsed = max(t.arrivals[-1][0] for t in traces if t.arrivals) - start
                 out[mode]["ttft"].extend(t.ttft for t in traces if t.arrivals)
                 out[mode]["tok_s"].append(sum(t.num_tokens for t in traces) / elapsed)
@@ -202,11 +179,11 @@ async def interference_run(address: str, long_prompt: str) -> dict[str, float]:
 def interference(tokenizer: object, tmp: Path) -> dict[str, object]:
     long_prompt = text_of_tokens(tokenizer, 2000, 7)
     report: dict[str, object] = {}
-    worker = ["--kv-cache-memory", "512MiB"]
+    worker = [*THREADS, "--kv-cache-memory", "512MiB"]
     for name, args in (("stall_default", []), ("stall_off", ["--max-step-stall", "0"])):
-        with stack(tmp / name, args, worker) as s:
-            asyncio.run(interference_run(s.gateway, "warm up " * 20))
-            report[name] = asyncio.run(interference_run(s.gateway, long_prompt))
+        with default_model_stack(tmp / name, args, worker) as s:
+            asyncio.run(interference_run(s.gateway.address, "warm up " * 20))
+            report[name] = asyncio.run(interference_run(s.gateway.address, long_prompt))
             print(f"interference {name}: {report[name]}")
     return report
 
@@ -230,15 +207,15 @@ async def overload_run(address: str, n: int) -> list[Trace]:
 
 
 def overload(tmp: Path) -> dict[str, object]:
-    with stack(tmp / "overload", [], ["--kv-cache-memory", "32MiB"]) as s:
+    with default_model_stack(tmp / "overload", [], [*THREADS, "--kv-cache-memory", "32MiB"]) as s:
         with grpc.insecure_channel(s.worker.address) as channel:
             info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
         per_request = -(-(20 + 32) // info.block_size)  # ~20 prompt tokens + 32 new
         fit = info.num_blocks // per_request
         start = time.perf_counter()
-        traces = asyncio.run(overload_run(s.gateway, 10 * fit))
+        traces = asyncio.run(overload_run(s.gateway.address, 10 * fit))
         elapsed = time.perf_counter() - start
-        with grpc.insecure_channel(s.scheduler) as channel:
+        with grpc.insecure_channel(s.scheduler.address) as channel:
             stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
                 scheduler_pb2.GetStatsRequest()
             )

@@ -25,9 +25,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canteen.models import DEFAULT_MODEL_NAME, default_model_path
+from canteen.models import default_model_path
 from canteen.v1 import inference_pb2, inference_pb2_grpc
-from tests.support.suite import Suite, wait_serving
+from tests.support.suite import default_model_stack
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -124,13 +124,8 @@ def main() -> None:
     ).eval()
     results: dict[str, list[float]] = {"canteen": [], "hf_batch": [], "hf_sequential": []}
     with tempfile.TemporaryDirectory() as tmp:
-        suite = Suite(Path(tmp))
-        try:
-            registry = suite.start_registry()
-            scheduler = suite.start_scheduler(registry)
-            suite.start_worker(registry, DEFAULT_MODEL_NAME, "--kv-cache-memory", "512MiB")
-            wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
-            gateway = suite.start_gateway(registry, scheduler)
+        with default_model_stack(Path(tmp), worker_args=["--kv-cache-memory", "512MiB"]) as s:
+            gateway = s.gateway
             canteen_run(gateway.address, 2, 4)  # warm the path
             for r in range(args.rounds):
                 results["hf_batch"].append(hf_batch(model, prompts, args.tokens))
@@ -141,8 +136,6 @@ def main() -> None:
                     flush=True,
                 )
             results["hf_sequential"].append(hf_sequential(model, prompts, args.tokens))
-        finally:
-            suite.stop()
     best = {k: max(v) for k, v in results.items()}
     # Each round runs HF batch then Canteen back to back: their ratio is the paired figure.
     paired = sorted(c / h for c, h in zip(results["canteen"], results["hf_batch"], strict=True))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_TOP_LOGPROBS = 20  # most alternatives a sequence may ask for per token
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -29,18 +28,23 @@ from gateway.openai_api import (
     TokenLogprobs,
     chunk_json,
     logprobs_json,
-    new_request_id,
     parse_request,
     response_json,
     usage_chunk_json,
     usage_json,
 )
 from gateway.server import status_of
-from gateway.service import Admitted, InferenceService, InvalidInputError, TextDelta, UpstreamError
+from gateway.service import (
+    Admitted,
+    InferenceService,
+    InvalidInputError,
+    TextDelta,
+    UpstreamError,
+    choose_request_id,
+)
 
 log = get_logger(__name__)
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
@@ -88,6 +92,7 @@ class HttpEdge:
     def __init__(self, service: InferenceService, keys: ApiKeys, max_body_bytes: int) -> None:
         self.service = service
         self.keys = keys
+        self.max_body_bytes = max_body_bytes
         self.is_draining = False
         self.in_flight = 0
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._middleware])
@@ -106,8 +111,7 @@ class HttpEdge:
     async def _middleware(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        given = request.headers.get("x-request-id", "")
-        request_id = given if _REQUEST_ID.fullmatch(given) else new_request_id()
+        request_id = choose_request_id(request.headers.get("x-request-id", ""))
         request["request_id"] = request_id
         structlog.contextvars.bind_contextvars(request_id=request_id)
         self.in_flight += 1
@@ -118,7 +122,7 @@ class HttpEdge:
                 request["principal"] = self.keys.authenticate(request.headers.get("Authorization"))
             response = await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            limit = self.app._client_max_size
+            limit = self.max_body_bytes
             _, body = error_body(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"the request body exceeds the limit of {limit} bytes (--max-body-bytes)",

@@ -8,14 +8,13 @@ wrong type or range is refused with a message naming it.
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from canteen.plan import MAX_TOP_LOGPROBS
 from gateway.service import GenerateInput, InvalidInputError, TextDelta
 
 MAX_N = 4
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -289,7 +288,3 @@ def _merge_completion_logprobs(parts: list[dict[str, Any]]) -> dict[str, Any]:
         at += len(token)
     merged["text_offset"] = offsets
     return merged
-
-
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"

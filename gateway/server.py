@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,6 +17,7 @@ from gateway.service import (
     InvalidInputError,
     TextDelta,
     UpstreamError,
+    choose_request_id,
 )
 
 _FINISH_TO_PB = {
@@ -27,7 +26,6 @@ _FINISH_TO_PB = {
     "cancelled": common_pb2.FINISH_REASON_CANCELLED,
     "content_filter": common_pb2.FINISH_REASON_CONTENT_FILTER,
 }
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def input_from_pb(msg: inference_pb2.GenerateRequest, request_id: str) -> GenerateInput:
@@ -99,8 +97,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             principal = self._keys.authenticate(str(metadata.get("authorization", "")) or None)
         except AuthenticationError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        given = str(metadata.get("x-request-id", ""))
-        request_id = given if _REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
+        request_id = choose_request_id(str(metadata.get("x-request-id", "")))
         structlog.contextvars.bind_contextvars(request_id=request_id)
         await context.send_initial_metadata((("x-request-id", request_id),))
         return principal

@@ -8,12 +8,15 @@ cancelling the request upstream so its blocks are freed at once.
 from __future__ import annotations
 
 import random
+import re
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
 from canteen.logging import get_logger
+from canteen.plan import MAX_TOP_LOGPROBS
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from gateway.auth import ANONYMOUS, Principal
 from gateway.catalog import ModelCatalog, ModelVersion
@@ -37,6 +40,14 @@ class UpstreamError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def choose_request_id(given: str) -> str:
+    """The caller's x-request-id when it is a sane token, else a fresh one."""
+    return given if _REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -149,8 +160,10 @@ class InferenceService:
             raise InvalidInputError(f"top_p={inp.top_p}: must be in (0, 1]")
         if inp.top_k < 0:
             raise InvalidInputError(f"top_k={inp.top_k}: must be >= 0")
-        if not 0 <= inp.top_logprobs <= 20:
-            raise InvalidInputError(f"top_logprobs={inp.top_logprobs}: must be in 0..20")
+        if not 0 <= inp.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidInputError(
+                f"top_logprobs={inp.top_logprobs}: must be in 0..{MAX_TOP_LOGPROBS}"
+            )
         if len(inp.stop) > c.max_stop_strings:
             raise InvalidInputError(
                 f"stop has {len(inp.stop)} strings; the limit is {c.max_stop_strings}"

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from canteen.logging import get_logger
-from canteen.plan import Sampling
+from canteen.plan import MAX_TOP_LOGPROBS, Sampling
 from scheduler.link import WorkerLink
 from scheduler.router import WorkerPool
 from scheduler.sequence import Finish, SeqEvent, Sequence
@@ -161,5 +161,7 @@ def _validate_shape(params: GenerateParams) -> None:
         raise InvalidRequestError(f"top_p={s.top_p}: must be in (0, 1]")
     if s.top_k < 0:
         raise InvalidRequestError(f"top_k={s.top_k}: must be >= 0")
-    if not 0 <= s.top_logprobs <= 20:
-        raise InvalidRequestError(f"top_logprobs={s.top_logprobs}: must be in 0..20")
+    if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(
+            f"top_logprobs={s.top_logprobs}: must be in 0..{MAX_TOP_LOGPROBS}"
+        )

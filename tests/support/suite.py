@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,3 +166,31 @@ class Suite:
         for svc in reversed(self.services):
             codes[svc.name] = svc.terminate()
         return codes
+
+
+@dataclass
+class Stack:
+    """One of each service, on the default model (SmolLM2), for benchmarks."""
+
+    registry: Service
+    scheduler: Service
+    worker: Service
+    gateway: Service
+
+
+@contextmanager
+def default_model_stack(
+    workdir: Path, scheduler_args: Sequence[str] = (), worker_args: Sequence[str] = ()
+) -> Iterator[Stack]:
+    from canteen.models import DEFAULT_MODEL_NAME
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    suite = Suite(workdir)
+    try:
+        registry = suite.start_registry()
+        scheduler = suite.start_scheduler(registry, *scheduler_args)
+        worker = suite.start_worker(registry, DEFAULT_MODEL_NAME, *worker_args)
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
+        yield Stack(registry, scheduler, worker, suite.start_gateway(registry, scheduler))
+    finally:
+        suite.stop()
