@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch that these machines carry; users with GPUs may override it.
 TORCH ?= torch==2.13.0
 
-.PHONY: install up test lint typecheck protos check-protos unit integration e2e bench clean
+.PHONY: system-deps install up test lint typecheck protos check-protos unit integration e2e bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,6 +18,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# Tools the tests run for real: promtool (Prometheus), headless Chromium and its driver.
+system-deps:
+	@if ! command -v promtool >/dev/null || ! command -v chromium >/dev/null \
+	    || ! command -v chromedriver >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends prometheus chromium chromium-driver; fi
 
 up: install
 	$(BIN)/canteen up
@@ -45,7 +52,7 @@ integration: install
 e2e: install
 	$(PY) -m pytest tests/e2e -q
 
-test: install check-protos lint typecheck
+test: install system-deps check-protos lint typecheck
 	$(PY) -m pytest -q
 
 bench: install

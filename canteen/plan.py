@@ -34,6 +34,7 @@ class NewSequence:
     sampling: Sampling
     block_ids: tuple[int, ...]
     num_cached_tokens: int = 0
+    traceparent: str = ""  # W3C trace context of the request; empty when untraced
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
+from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
 from canteen.streams import follow_stream
+from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from gateway.auth import ApiKeys
 from gateway.catalog import ModelCatalog
 from gateway.config import GatewayConfig
 from gateway.http import HttpEdge, start_http
+from gateway.metrics import GatewayMetrics
 from gateway.screen import Screen, load_screen
 from gateway.server import InferenceServicer
 from gateway.service import InferenceService
@@ -90,15 +93,22 @@ async def serve(config: GatewayConfig) -> None:
     catalog = ModelCatalog(config.registry)
     tokenizers = TokenizerCache()
     channel = grpc.aio.insecure_channel(config.scheduler)
+    metrics_registry = new_registry()
     service = InferenceService(
-        config, catalog, tokenizers, scheduler_pb2_grpc.SchedulerStub(channel), build_screen(config)
+        config,
+        catalog,
+        tokenizers,
+        scheduler_pb2_grpc.SchedulerStub(channel),
+        GatewayMetrics(metrics_registry),
+        build_screen(config),
     )
     inference_pb2_grpc.add_InferenceServicer_to_server(
         InferenceServicer(service, keys), runtime.server
     )
     await runtime.start([SERVICE_NAME])
-    edge = HttpEdge(service, keys, config.max_body_bytes)
+    edge = HttpEdge(service, keys, config.max_body_bytes, metrics_registry)
     http = await start_http(edge, host, config.http_port) if config.http_port >= 0 else None
+    metrics_http = await start_metrics_http(metrics_registry, host, config.metrics_port)
 
     async def drain_http() -> None:
         edge.is_draining = True  # new HTTP requests get 503; streams already running go on
@@ -120,6 +130,8 @@ async def serve(config: GatewayConfig) -> None:
     await runtime.wait()
     if http is not None:
         await _finish_http(edge, http, config.grace)
+    if metrics_http is not None:
+        await metrics_http[0].cleanup()
     for task in (watcher, health, preload):
         task.cancel()
     await channel.close()
@@ -138,11 +150,14 @@ def main(argv: list[str] | None = None) -> None:
         GatewayConfig, argv, prog="python -m gateway", description="Canteen gateway"
     )
     configure_logging("gateway")
+    configure_tracing("canteen-gateway", config.otlp_endpoint)
     try:
         asyncio.run(serve(config))
     except ValueError as exc:
         log.error("bad configuration", error=str(exc))
         sys.exit(2)
+    finally:
+        shutdown_tracing()
     sys.exit(0)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canteen.config import option, require
+from canteen.metrics import METRICS_PORT_HELP
+from canteen.tracing import OTLP_ENDPOINT_HELP
 
 
 @dataclass(frozen=True)
@@ -13,6 +15,8 @@ class GatewayConfig:
 
     host: str = option("", "interface to bind (default 127.0.0.1, or 0.0.0.0 with API keys)")
     port: int = option(50051, "gRPC port of canteen.v1.Inference")
+    metrics_port: int = option(-1, METRICS_PORT_HELP)
+    otlp_endpoint: str = option("", OTLP_ENDPOINT_HELP)
     http_port: int = option(8080, "port of the OpenAI-compatible HTTP API (-1: off)")
     max_body_bytes: int = option(4 * 1024 * 1024, "largest HTTP request body, in bytes")
     scheduler: str = option("127.0.0.1:50052", "scheduler address")
@@ -37,6 +41,12 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(
+            -1 <= self.metrics_port <= 65535,
+            "metrics_port",
+            self.metrics_port,
+            "must be in 0..65535, or -1 for off",
+        )
         require(
             -1 <= self.http_port <= 65535, "http_port", self.http_port, "must be in 0..65535 or -1"
         )

@@ -11,6 +11,7 @@ cancels its request upstream: the handler is cancelled, and so is the scheduler 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -18,9 +19,12 @@ from typing import Any
 import grpc
 import structlog
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from canteen.logging import get_logger
+from canteen.metrics import metrics_handler
 from gateway.auth import ApiKeys, AuthenticationError
+from gateway.errors import InvalidInputError, UpstreamError, status_of
 from gateway.limits import RateLimitedError
 from gateway.openai_api import (
     ChoiceResult,
@@ -33,17 +37,12 @@ from gateway.openai_api import (
     usage_chunk_json,
     usage_json,
 )
-from gateway.server import status_of
-from gateway.service import (
-    Admitted,
-    InferenceService,
-    InvalidInputError,
-    TextDelta,
-    UpstreamError,
-    choose_request_id,
-)
+from gateway.service import Admitted, InferenceService, TextDelta, choose_request_id
+from gateway.status import status_routes
 
 log = get_logger(__name__)
+# Served without an API key: probes, Prometheus and the status page.
+_OPEN_PATHS = frozenset({"/healthz", "/metrics", "/status", "/status.json"})
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -89,7 +88,13 @@ def as_http_error(exc: Exception) -> HttpError:
 
 
 class HttpEdge:
-    def __init__(self, service: InferenceService, keys: ApiKeys, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        service: InferenceService,
+        keys: ApiKeys,
+        max_body_bytes: int,
+        metrics_registry: CollectorRegistry,
+    ) -> None:
         self.service = service
         self.keys = keys
         self.max_body_bytes = max_body_bytes
@@ -104,6 +109,8 @@ class HttpEdge:
                 web.post("/tokenize", self.tokenize),
                 web.post("/detokenize", self.detokenize),
                 web.get("/healthz", self.healthz),
+                web.get("/metrics", metrics_handler(metrics_registry)),
+                *status_routes(service.scheduler),
             ]
         )
 
@@ -116,10 +123,16 @@ class HttpEdge:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         self.in_flight += 1
         try:
-            if request.path != "/healthz":
+            if request.path not in _OPEN_PATHS:
                 if self.is_draining:
                     raise HttpError(grpc.StatusCode.UNAVAILABLE, "the gateway is draining")
-                request["principal"] = self.keys.authenticate(request.headers.get("Authorization"))
+                try:
+                    request["principal"] = self.keys.authenticate(
+                        request.headers.get("Authorization")
+                    )
+                except AuthenticationError:
+                    self.service.metrics.refused(grpc.StatusCode.UNAUTHENTICATED.name)
+                    raise
             response = await handler(request)
         except web.HTTPRequestEntityTooLarge:
             limit = self.max_body_bytes
@@ -153,6 +166,10 @@ class HttpEdge:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         req = parse_request(kind, await self._body(request), request["request_id"])
+        traceparent = request.headers.get("traceparent", "")
+        if traceparent:
+            inputs = [dataclasses.replace(i, traceparent=traceparent) for i in req.inputs]
+            req = dataclasses.replace(req, inputs=inputs)
         if req.user:
             log.info("request user", user=req.user)
         # Every check (and the rate limit) passes before any byte is sent, so errors get a

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from canteen.plan import MAX_TOP_LOGPROBS
-from gateway.service import GenerateInput, InvalidInputError, TextDelta
+from gateway.errors import InvalidInputError
+from gateway.service import GenerateInput, TextDelta
 
 MAX_N = 4
 

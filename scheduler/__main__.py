@@ -7,10 +7,13 @@ import sys
 
 from canteen.config import parse_config
 from canteen.logging import configure_logging
+from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
+from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.link import LinkSettings
+from scheduler.metrics import PoolCollector, SchedulerMetrics
 from scheduler.router import WorkerPool
 from scheduler.server import SchedulerServicer
 from scheduler.service import SchedulerService
@@ -21,13 +24,19 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 async def serve(config: SchedulerConfig) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
     settings = LinkSettings(config.max_num_seqs, config.prefix_cache, config.max_step_stall)
-    pool = WorkerPool(config.registry, settings, runtime.set_ready)
-    service = SchedulerService(pool, config.max_queue)
+    registry = new_registry()
+    metrics = SchedulerMetrics(registry)
+    pool = WorkerPool(config.registry, settings, runtime.set_ready, metrics.observe_step)
+    registry.register(PoolCollector(pool.links))
+    service = SchedulerService(pool, config.max_queue, metrics)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), runtime.server)
     await runtime.start([SERVICE_NAME])
+    metrics_http = await start_metrics_http(registry, config.host, config.metrics_port)
     watcher = asyncio.create_task(pool.watch_forever())
     await runtime.wait()
     watcher.cancel()
+    if metrics_http is not None:
+        await metrics_http[0].cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -35,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         SchedulerConfig, argv, prog="python -m scheduler", description="Canteen scheduler"
     )
     configure_logging("scheduler")
+    configure_tracing("canteen-scheduler", config.otlp_endpoint)
     asyncio.run(serve(config))
+    shutdown_tracing()
     sys.exit(0)
 
 

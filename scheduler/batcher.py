@@ -297,6 +297,7 @@ class BatchScheduler:
                         seq.sampling,
                         tuple(seq.block_ids),
                         seq.num_computed,
+                        seq.traceparent,
                     )
                 )
                 seq.is_on_worker, fresh = True, ()

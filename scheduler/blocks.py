@@ -60,6 +60,13 @@ class BlockPool:
     def refs(self, block: int) -> int:
         return self._refs[block]
 
+    def state_map(self) -> str:
+        """One character per block: 'U' referenced, 'C' free with a cached prefix, '.' free."""
+        return "".join(
+            "U" if refs else ("C" if block in self._evictable else ".")
+            for block, refs in enumerate(self._refs)
+        )
+
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canteen.config import option, require
+from canteen.metrics import METRICS_PORT_HELP
+from canteen.tracing import OTLP_ENDPOINT_HELP
 
 
 @dataclass(frozen=True)
@@ -13,6 +15,8 @@ class SchedulerConfig:
 
     host: str = option("127.0.0.1", "interface to bind")
     port: int = option(50052, "gRPC port")
+    metrics_port: int = option(-1, METRICS_PORT_HELP)
+    otlp_endpoint: str = option("", OTLP_ENDPOINT_HELP)
     registry: str = option("127.0.0.1:50053", "registry address")
     max_queue: int = option(
         1024, "most requests waiting across workers; more get RESOURCE_EXHAUSTED"
@@ -28,6 +32,12 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(
+            -1 <= self.metrics_port <= 65535,
+            "metrics_port",
+            self.metrics_port,
+            "must be in 0..65535, or -1 for off",
+        )
         require(self.max_queue >= 1, "max_queue", self.max_queue, "must be >= 1")
         require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
         require(

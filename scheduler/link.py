@@ -8,11 +8,14 @@ deliver events to each request's queue.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
 from canteen.logging import get_logger
+from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchLimits, BatchScheduler
 from scheduler.blocks import BlockPool
@@ -20,6 +23,8 @@ from scheduler.sequence import Finish, SeqEvent, Sequence
 from scheduler.wire import plan_to_pb, result_from_pb
 
 log = get_logger(__name__)
+
+StepObserver = Callable[["WorkerDescription", StepPlan, float], None]
 
 
 @dataclass(frozen=True)
@@ -64,8 +69,11 @@ class WorkerLink:
         desc: WorkerDescription,
         channel: grpc.aio.Channel,
         settings: LinkSettings,
+        on_step: StepObserver | None = None,
     ) -> None:
         self.desc = desc
+        self._on_step = on_step
+        self.last_batch_size = 0
         self._channel = channel
         self._stub = worker_pb2_grpc.WorkerStub(channel)
         limits = BatchLimits(
@@ -134,6 +142,7 @@ class WorkerLink:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            started = time.monotonic()
             await call.write(plan_to_pb(plan))
             msg = await call.read()
             if msg is grpc.aio.EOF:
@@ -143,6 +152,9 @@ class WorkerLink:
                     grpc.aio.Metadata(),
                     "worker closed its stream",
                 )
+            self.last_batch_size = len(plan.scheduled)
+            if self._on_step is not None:
+                self._on_step(self.desc, plan, time.monotonic() - started)
             for event in self.core.update(result_from_pb(msg)):
                 queue = self._queues.get(event.seq.request_id)
                 if queue is not None:

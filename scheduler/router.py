@@ -22,7 +22,7 @@ from canteen.logging import get_logger
 from canteen.streams import follow_stream
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler
-from scheduler.link import LinkSettings, WorkerLink, describe
+from scheduler.link import LinkSettings, StepObserver, WorkerLink, describe
 
 log = get_logger(__name__)
 
@@ -33,8 +33,10 @@ class WorkerPool:
         registry_address: str,
         settings: LinkSettings,
         on_ready_change: Callable[[bool], Awaitable[None]],
+        on_step: StepObserver | None = None,
     ) -> None:
         self._settings = settings
+        self._on_step = on_step
         self._registry_address = registry_address
         self._on_ready_change = on_ready_change
         self.links: dict[str, WorkerLink] = {}
@@ -96,7 +98,7 @@ class WorkerPool:
             return
         finally:
             self._connecting.discard(entry.worker_id)
-        link = WorkerLink(describe(info, entry.address), channel, self._settings)
+        link = WorkerLink(describe(info, entry.address), channel, self._settings, self._on_step)
         self.links[entry.worker_id] = link
         log.info(
             "worker connected",

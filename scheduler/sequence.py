@@ -48,6 +48,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     admit_order: int = 0
+    traceparent: str = ""
 
     @property
     def tokens(self) -> list[int]:

@@ -8,6 +8,7 @@ import grpc
 import structlog
 
 from canteen.plan import Sampling
+from canteen.tracing import context_from_metadata
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.sequence import Finish
 from scheduler.service import (
@@ -58,7 +59,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         params = params_from_pb(request)
         is_first = True
         try:
-            async for event in self._service.generate(params):
+            trace_context = context_from_metadata(context.invocation_metadata())
+            async for event in self._service.generate(params, trace_context):
                 seq = event.seq
                 response = scheduler_pb2.ScheduleResponse(
                     token_ids=event.token_ids, logprobs=event.logprobs
@@ -105,6 +107,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     num_preemptions=core.num_preemptions,
                     num_cached_blocks=core.pool.num_cached,
                     prefix_cache_hit_rate=core.prefix_cache_hit_rate,
+                    block_map=core.pool.state_map(),
+                    running=[
+                        scheduler_pb2.RunningSequence(
+                            request_id=seq.request_id,
+                            num_prompt_tokens=len(seq.prompt_ids),
+                            num_output_tokens=len(seq.output_ids),
+                            num_blocks=len(seq.block_ids),
+                            is_decoding=seq.is_decoding,
+                        )
+                        for seq in sorted(core.running, key=lambda s: s.admit_order)
+                    ],
+                    last_batch_size=link.last_batch_size,
                 )
             )
         return scheduler_pb2.GetStatsResponse(workers=workers)

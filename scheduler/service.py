@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from opentelemetry.context import Context
+
 from canteen.logging import get_logger
 from canteen.plan import MAX_TOP_LOGPROBS, Sampling
+from canteen.tracing import get_tracer, traceparent_of
 from scheduler.link import WorkerLink
+from scheduler.metrics import SchedulerMetrics
 from scheduler.router import WorkerPool
 from scheduler.sequence import Finish, SeqEvent, Sequence
 
 log = get_logger(__name__)
+tracer = get_tracer("canteen.scheduler")
 
 
 class InvalidRequestError(ValueError):
@@ -44,9 +50,12 @@ class GenerateParams:
 
 
 class SchedulerService:
-    def __init__(self, pool: WorkerPool, max_queue: int) -> None:
+    def __init__(
+        self, pool: WorkerPool, max_queue: int, metrics: SchedulerMetrics | None = None
+    ) -> None:
         self.pool = pool
         self.max_queue = max_queue
+        self.metrics = metrics
 
     def _admit(self, params: GenerateParams) -> tuple[WorkerLink, Sequence]:
         """Picks a worker and checks the request against it; raises what the caller sees."""
@@ -79,39 +88,63 @@ class SchedulerService:
         )
         return link, seq
 
-    async def generate(self, params: GenerateParams) -> AsyncIterator[SeqEvent]:
+    async def generate(
+        self, params: GenerateParams, trace_context: Context | None = None
+    ) -> AsyncIterator[SeqEvent]:
         """Yields the sequence's events until it finishes; cancels it if the caller leaves."""
-        link, seq = self._admit(params)
-        queue = link.submit(seq)
-        log.info(
-            "request queued",
-            request_id=params.request_id,
-            worker_id=link.desc.worker_id,
-            num_prompt_tokens=len(params.prompt_ids),
-            max_tokens=params.max_tokens,
-        )
-        try:
-            while True:
-                event = await queue.get()
-                if event.finish is Finish.FAILED:
-                    raise WorkerFailedError(seq.error)
-                yield event
-                if event.finish is not None:
+        with tracer.start_as_current_span("scheduler.generate", context=trace_context) as span:
+            link, seq = self._admit(params)
+            seq.traceparent = traceparent_of(span)
+            span.set_attribute("canteen.worker", link.desc.worker_id)
+            queue = link.submit(seq)
+            log.info(
+                "request queued",
+                request_id=params.request_id,
+                worker_id=link.desc.worker_id,
+                num_prompt_tokens=len(params.prompt_ids),
+                max_tokens=params.max_tokens,
+            )
+            try:
+                async for event in self._events(queue, seq, link):
+                    yield event
+            finally:
+                if not seq.is_finished:
+                    link.cancel(seq)
                     log.info(
-                        "request finished",
+                        "request cancelled",
                         request_id=params.request_id,
-                        finish=event.finish.value,
                         num_output_tokens=len(seq.output_ids),
                     )
-                    return
-        finally:
-            if not seq.is_finished:
-                link.cancel(seq)
+                self._record_end(link, seq)
+                span.set_attribute("canteen.num_output_tokens", len(seq.output_ids))
+                span.set_attribute("canteen.num_preemptions", seq.num_preemptions)
+
+    async def _events(
+        self, queue: asyncio.Queue[SeqEvent], seq: Sequence, link: WorkerLink
+    ) -> AsyncIterator[SeqEvent]:
+        is_first = True
+        while True:
+            event = await queue.get()
+            if event.finish is Finish.FAILED:
+                raise WorkerFailedError(seq.error)
+            if is_first and self.metrics is not None and seq.first_scheduled_time is not None:
+                wait = seq.first_scheduled_time - seq.arrival_time
+                self.metrics.observe_queue(link.desc.model, link.desc.version, wait)
+                is_first = False
+            yield event
+            if event.finish is not None:
                 log.info(
-                    "request cancelled",
-                    request_id=params.request_id,
+                    "request finished",
+                    request_id=seq.request_id,
+                    finish=event.finish.value,
                     num_output_tokens=len(seq.output_ids),
                 )
+                return
+
+    def _record_end(self, link: WorkerLink, seq: Sequence) -> None:
+        if self.metrics is not None:
+            finish = seq.finish.value if seq.finish is not None else Finish.CANCELLED.value
+            self.metrics.count_finish(link.desc.model, link.desc.version, finish)
 
 
 def _capacity(link: WorkerLink) -> tuple[int, int]:

@@ -26,6 +26,7 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
                 sampling=sampling_to_pb(n.sampling),
                 block_ids=n.block_ids,
                 num_cached_tokens=n.num_cached_tokens,
+                traceparent=n.traceparent,
             )
             for n in plan.new_sequences
         ],

@@ -15,8 +15,10 @@ import torch
 
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
+from canteen.metrics import new_registry, start_metrics_http
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.server import ServiceRuntime
+from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
 from worker.engine import MainThreadExecutor
@@ -29,6 +31,7 @@ from worker.memory import (
     peak_bytes,
     size_pool,
 )
+from worker.observe import WorkerMetrics
 from worker.runner import ModelRunner, kv_bytes_per_block
 from worker.server import WorkerIdentity, WorkerServicer
 
@@ -179,10 +182,15 @@ async def serve(config: WorkerConfig, engine: Executor, runtimes: list[ServiceRu
         str(pick_device(config.device)),
         config.max_batched_tokens,
     )
-    servicer = WorkerServicer(identity, engine)
+    metrics_registry = new_registry()
+    metrics = WorkerMetrics(metrics_registry, record.name, record.version)
+    servicer = WorkerServicer(identity, engine, metrics)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
     port = await runtime.start([SERVICE_NAME])
+    metrics_http = await start_metrics_http(metrics_registry, config.host, config.metrics_port)
     await load(config, record, engine, servicer)
+    assert servicer.pool_size is not None
+    metrics.set_pool(servicer.pool_size.kv_bytes, servicer.pool_size.budget_bytes)
     await runtime.set_ready(True)
     host = config.advertise_host or config.host
     lease = asyncio.create_task(
@@ -214,6 +222,8 @@ async def serve(config: WorkerConfig, engine: Executor, runtimes: list[ServiceRu
     runtime.on_drain(drain)
     await runtime.wait()
     await channel.close()
+    if metrics_http is not None:
+        await metrics_http[0].cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         WorkerConfig, argv, prog="python -m worker", description="Canteen model worker"
     )
     configure_logging("worker")
+    configure_tracing("canteen-worker", config.otlp_endpoint)
     if config.threads:
         torch.set_num_threads(config.threads)
     engine = MainThreadExecutor()
@@ -252,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     grpc_thread.start()
     engine.run_forever()
     grpc_thread.join()
+    shutdown_tracing()
     sys.exit(exit_code[0])
 
 

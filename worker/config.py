@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canteen.config import option, parse_bytes, require
+from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
+from canteen.tracing import OTLP_ENDPOINT_HELP
 
 
 @dataclass(frozen=True)
@@ -14,6 +16,8 @@ class WorkerConfig:
 
     host: str = option("127.0.0.1", "interface to bind")
     port: int = option(50061, "gRPC port")
+    metrics_port: int = option(-1, METRICS_PORT_HELP)
+    otlp_endpoint: str = option("", OTLP_ENDPOINT_HELP)
     advertise_host: str = option("", "host the scheduler dials (default: --host)")
     registry: str = option("127.0.0.1:50053", "registry address")
     model: str = option(DEFAULT_MODEL_NAME, "model to serve, NAME or NAME:VERSION")
@@ -35,6 +39,12 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        require(
+            -1 <= self.metrics_port <= 65535,
+            "metrics_port",
+            self.metrics_port,
+            "must be in 0..65535, or -1 for off",
+        )
         require(
             self.block_size in (8, 16, 32, 64, 128),
             "block_size",

@@ -13,6 +13,7 @@ from canteen.logging import get_logger
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan, StepResult
 from canteen.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker.memory import PoolSize
+from worker.observe import SequenceSpans, WorkerMetrics
 from worker.runner import ModelRunner, PlanError
 
 log = get_logger(__name__)
@@ -41,6 +42,7 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
                 sampling_from_pb(n.sampling),
                 tuple(n.block_ids),
                 n.num_cached_tokens,
+                n.traceparent,
             )
             for n in msg.new_sequences
         ),
@@ -75,8 +77,12 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, identity: WorkerIdentity, engine: Executor) -> None:
+    def __init__(
+        self, identity: WorkerIdentity, engine: Executor, metrics: WorkerMetrics | None = None
+    ) -> None:
         self.identity = identity
+        self.metrics = metrics
+        self._spans = SequenceSpans()
         self.runner: ModelRunner | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.max_model_len = 0
@@ -138,11 +144,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     )
                 for seq_id in plan.dropped_seq_ids:
                     log.info("sequence dropped", request_id=seq_id)
+                self._spans.on_plan(plan)
                 try:
                     result = await self.run_step(plan)
                 except PlanError as exc:
                     log.error("bad plan", step_id=plan.step_id, error=str(exc))
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                self._spans.on_result(result)
+                if self.metrics is not None:
+                    self.metrics.observe_step(plan, result, len(self.runner.sequences))
                 yield result_to_pb(result)
                 if not self.runner.sequences:
                     self.idle.set()
@@ -150,5 +160,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     self.idle.clear()
         finally:
             self.runner.sequences.clear()
+            self._spans.end_all()
             self.idle.set()
             log.info("run stream closed")

@@ -165,6 +165,9 @@ class WorkerStats(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_PREEMPTIONS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _builtins.int
+    BLOCK_MAP_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    LAST_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id."""
     address: _builtins.str
@@ -191,6 +194,16 @@ class WorkerStats(_message.Message):
     """Sequences preempted so far."""
     prefix_cache_hit_rate: _builtins.float
     """Fraction of prompt tokens served from the prefix cache so far."""
+    block_map: _builtins.str
+    """One character per KV block, in block order: 'U' referenced by a sequence, 'C' free but
+    holding a cached prefix, '.' free.
+    """
+    last_batch_size: _builtins.int
+    """Sequences in the last step sent to this worker."""
+    @_builtins.property
+    def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningSequence]:
+        """The running batch, in admission order."""
+
     def __init__(
         self,
         *,
@@ -207,14 +220,55 @@ class WorkerStats(_message.Message):
         num_cached_blocks: _builtins.int = ...,
         num_preemptions: _builtins.int = ...,
         prefix_cache_hit_rate: _builtins.float = ...,
+        block_map: _builtins.str = ...,
+        running: _abc.Iterable[Global___RunningSequence] | None = ...,
+        last_batch_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "is_ready", b"is_ready", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_map", b"block_map", "is_ready", b"is_ready", "last_batch_size", b"last_batch_size", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
+
+@_typing.final
+class RunningSequence(_message.Message):
+    """One sequence of a worker's running batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    IS_DECODING_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Request id."""
+    num_prompt_tokens: _builtins.int
+    """Prompt tokens."""
+    num_output_tokens: _builtins.int
+    """Tokens generated so far."""
+    num_blocks: _builtins.int
+    """KV blocks it holds."""
+    is_decoding: _builtins.bool
+    """Whether it is past its prompt (generating one token per step)."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        num_prompt_tokens: _builtins.int = ...,
+        num_output_tokens: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+        is_decoding: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_decoding", b"is_decoding", "num_blocks", b"num_blocks", "num_output_tokens", b"num_output_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunningSequence: _TypeAlias = RunningSequence  # noqa: Y015
 
 @_typing.final
 class GetStatsResponse(_message.Message):

@@ -119,10 +119,16 @@ class NewSequence(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     """Sequence id (the request id)."""
     num_cached_tokens: _builtins.int
     """Leading tokens whose KV is already in those blocks."""
+    traceparent: _builtins.str
+    """W3C trace context of the request (https://www.w3.org/TR/trace-context/), empty when the
+    request is not traced. The Run stream carries many requests, so the context travels with
+    each sequence rather than in the stream's metadata.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """All token ids known so far: the prompt, plus tokens generated before a preemption or failover."""
@@ -143,10 +149,11 @@ class NewSequence(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_cached_tokens: _builtins.int = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

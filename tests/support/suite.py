@@ -33,6 +33,12 @@ class Service:
     process: subprocess.Popen[bytes]
     log_path: Path
     http_port: int = 0
+    metrics_port: int = 0
+
+    @property
+    def metrics_url(self) -> str:
+        """Prometheus exposition of this service (``--metrics-port``)."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     @property
     def http_url(self) -> str:
@@ -91,7 +97,7 @@ class Suite:
         ready_timeout: float = 300.0,
         wait_ready: bool = True,
     ) -> Service:
-        port = free_port()
+        port, metrics_port = free_port(), free_port()
         log_path = self.workdir / f"{name}.log"
         env = {
             **os.environ,
@@ -101,13 +107,22 @@ class Suite:
             **self.env,
         }
         process = subprocess.Popen(
-            [sys.executable, "-m", module, "--port", str(port), *args],
+            [
+                sys.executable,
+                "-m",
+                module,
+                "--port",
+                str(port),
+                "--metrics-port",
+                str(metrics_port),
+                *args,
+            ],
             cwd=ROOT,
             env=env,
             stdout=log_path.open("wb"),
             stderr=subprocess.STDOUT,
         )
-        svc = Service(name, port, service, process, log_path)
+        svc = Service(name, port, service, process, log_path, metrics_port=metrics_port)
         self.services.append(svc)
         try:
             wait_serving(svc.address, service if wait_ready else "", ready_timeout, process)

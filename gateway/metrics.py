@@ -1,0 +1,110 @@
+"""The gateway's Prometheus metrics: what users see, per model version.
+
+Latencies are measured from the request's arrival at the gateway (before tokenization) to the
+text leaving it, so they include every hop a user waits for.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from canteen.metrics import REQUEST_BUCKETS, TOKEN_BUCKETS
+
+_MODEL = ("model", "version")
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, _MODEL, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, _MODEL, registry=registry)
+
+        self.requests = Counter(
+            "canteen_requests",
+            "Generation requests by final gRPC status (OK, INVALID_ARGUMENT, ...); refusals "
+            "before a model was resolved have empty model and version",
+            (*_MODEL, "status"),
+            registry=registry,
+        )
+        self.ttft = histogram(
+            "canteen_time_to_first_token_seconds",
+            "Seconds from arrival to the first generated token",
+            REQUEST_BUCKETS,
+        )
+        self.tpot = histogram(
+            "canteen_time_per_output_token_seconds",
+            "Mean seconds per output token after the first, one sample per request",
+            TOKEN_BUCKETS,
+        )
+        self.itl = histogram(
+            "canteen_inter_token_latency_seconds",
+            "Seconds between consecutive streamed token messages",
+            TOKEN_BUCKETS,
+        )
+        self.e2e = histogram(
+            "canteen_e2e_request_latency_seconds",
+            "Seconds from arrival to the last token",
+            REQUEST_BUCKETS,
+        )
+        self.prompt_tokens = counter("canteen_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("canteen_generation_tokens", "Tokens generated")
+        self.cached_tokens = counter(
+            "canteen_cached_tokens", "Prompt tokens served from the prefix cache"
+        )
+        self.in_flight = Gauge(
+            "canteen_gateway_in_flight_requests",
+            "Generation requests streaming now",
+            registry=registry,
+        )
+
+    def refused(self, status: str) -> None:
+        """A request refused before it had a model (authentication, shape)."""
+        self.requests.labels("", "", status).inc()
+
+    def track(self, model: str, version: str, arrival: float) -> RequestTimer:
+        return RequestTimer(self, (model, version), arrival)
+
+
+@dataclass
+class RequestTimer:
+    """One request's clock: call ``tokens`` per streamed message, then ``finish`` once."""
+
+    metrics: GatewayMetrics
+    labels: tuple[str, str]
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+    num_tokens: int = 0
+    is_finished: bool = field(default=False)
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.labels(*self.labels).observe(now - self.arrival)
+        elif self.last is not None:
+            self.metrics.itl.labels(*self.labels).observe(now - self.last)
+        self.last = now
+        self.num_tokens += count
+
+    def finish(self, status: str, prompt_tokens: int, cached_tokens: int) -> None:
+        if self.is_finished:
+            return
+        self.is_finished = True
+        m, labels = self.metrics, self.labels
+        m.requests.labels(*labels, status).inc()
+        m.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        m.generation_tokens.labels(*labels).inc(self.num_tokens)
+        m.cached_tokens.labels(*labels).inc(cached_tokens)
+        if status != "OK" or self.first is None or self.last is None:
+            return
+        m.e2e.labels(*labels).observe(self.last - self.arrival)
+        if self.num_tokens > 1:
+            m.tpot.labels(*labels).observe((self.last - self.first) / (self.num_tokens - 1))
