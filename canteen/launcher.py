@@ -28,12 +28,13 @@ class SuiteLayout:
     worker_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     http_port: int = 8080  # the gateway's OpenAI-compatible HTTP API; -1: off
+    otlp_endpoint: str = ""  # traces of gateway, scheduler and workers go here when set
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_workers <= 64:
             raise ValueError(f"workers={self.num_workers}: must be in 1..64")
-        if not 1024 <= self.base_port <= 65535 - 80:
-            raise ValueError(f"base_port={self.base_port}: must be in 1024..65455")
+        if not 1024 <= self.base_port <= 65535 - 140:
+            raise ValueError(f"base_port={self.base_port}: must be in 1024..65395")
 
     @property
     def gateway_port(self) -> int:
@@ -49,6 +50,13 @@ class SuiteLayout:
 
     def worker_port(self, index: int) -> int:
         return self.base_port + 10 + index
+
+    def metrics_port(self, name: str) -> int:
+        """Prometheus port of a child: scheduler +3, registry +4, worker-i +74+i (the
+        gateway serves /metrics on its HTTP port)."""
+        if name.startswith("worker-"):
+            return self.base_port + 74 + int(name.removeprefix("worker-"))
+        return self.base_port + {"scheduler": 3, "registry": 4, "gateway": 5}[name]
 
 
 @dataclass
@@ -131,6 +139,10 @@ def plan_children(layout: SuiteLayout) -> list[Child]:
             "canteen.v1.Inference",
         )
     )
+    for child in children:
+        child.argv += ["--metrics-port", str(layout.metrics_port(child.name))]
+        if layout.otlp_endpoint and child.name != "registry":
+            child.argv += ["--otlp-endpoint", layout.otlp_endpoint]
     return children
 
 
@@ -200,9 +212,16 @@ class Launcher:
                 if lay.http_port >= 0
                 else []
             ),
+            *(
+                [f"  status    http://{lay.host}:{lay.http_port}/status  (live batch, KV map)"]
+                if lay.http_port >= 0
+                else []
+            ),
             f"  scheduler 127.0.0.1:{lay.scheduler_port}",
             f"  registry  127.0.0.1:{lay.registry_port}",
             *(f"  worker-{i}  127.0.0.1:{lay.worker_port(i)}" for i in range(lay.num_workers)),
+            "Metrics: http://127.0.0.1:PORT/metrics on "
+            + ", ".join(f"{c.name} {lay.metrics_port(c.name)}" for c in self.children),
             f"Try: canteen generate --chat 'Hello!' --address 127.0.0.1:{lay.gateway_port}",
         ]
         print("\n".join(lines), flush=True)

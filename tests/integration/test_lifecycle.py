@@ -177,6 +177,7 @@ def test_unknown_model_worker_exits_with_a_message(tmp_path: Path) -> None:
 
 
 def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tests.support.metrics import scrape, value
     from tests.support.suite import free_port
 
     base = free_port()
@@ -236,6 +237,13 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x")
         reply = client.completions.create(model="tiny", prompt="The capital", max_tokens=3)
         assert reply.usage is not None and reply.usage.completion_tokens == 3
+        # Every child serves metrics on its planned port; the gateway on its HTTP port too.
+        scheduler = scrape(f"http://127.0.0.1:{base + 3}/metrics")
+        assert value(scheduler, "canteen_worker_ready") == 2
+        worker_1 = scrape(f"http://127.0.0.1:{base + 75}/metrics")
+        assert value(worker_1, "canteen_worker_kv_cache_bytes") > 0
+        gateway = scrape(f"http://127.0.0.1:{http_port}/metrics")
+        assert value(gateway, "canteen_requests_total", status="OK") == 2
     finally:
         up.send_signal(15)
         code = up.wait(90)
