@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from canteen.bench import cli as bench_cli
 from canteen.launcher import Launcher, SuiteLayout
 from canteen.models import MAX_ALIAS_WEIGHT
 from canteen.v1 import (
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=None)
 
     _add_models_parser(sub)
+    bench_cli.add_parsers(sub)
     return parser
 
 
@@ -231,6 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_up(args))
     if args.command == "generate":
         sys.exit(asyncio.run(_generate(args)))
+    if args.command in bench_cli.COMMANDS:
+        sys.exit(bench_cli.run(args))
     sys.exit(asyncio.run(_models(args)))
 
 

@@ -90,9 +90,7 @@ def test_refusals_are_counted_by_status_without_request_ids(suite: TinySuite) ->
     unknown = inference_pb2.GenerateRequest(prompt="x", model="no-such-model", max_tokens=2)
     for request, code in ((bad, grpc.StatusCode.INVALID_ARGUMENT), (unknown, "NOT_FOUND")):
         with pytest.raises(grpc.RpcError) as err:
-            list(
-                suite.inference.Generate(request, metadata=(("x-request-id", "secret-id-42"),))
-            )
+            list(suite.inference.Generate(request, metadata=(("x-request-id", "secret-id-42"),)))
         assert err.value.code().name == getattr(code, "name", code)
     after = _gateway(suite)
     for status in ("INVALID_ARGUMENT", "NOT_FOUND"):

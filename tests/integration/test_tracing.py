@@ -3,68 +3,20 @@ OTLP to a real gRPC collector endpoint on loopback."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from canteen.v1 import inference_pb2, inference_pb2_grpc
-from tests.support.suite import Service, Suite, free_port, wait_serving
+from tests.support.otlp import Collector, running_collector
+from tests.support.suite import Service, Suite, wait_serving
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
-
-
-@dataclass(frozen=True)
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """Keeps every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._lock = threading.Lock()
-
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self._lock:
-            for resource_spans in request.resource_spans:
-                attrs = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-                for scope in resource_spans.scope_spans:
-                    for s in scope.spans:
-                        self.spans.append(
-                            Span(
-                                attrs.get("service.name", ""),
-                                s.name,
-                                s.trace_id.hex(),
-                                s.span_id.hex(),
-                                s.parent_span_id.hex(),
-                            )
-                        )
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def trace(self, trace_id: str, services: set[str], timeout: float = 20.0) -> list[Span]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                spans = [s for s in self.spans if s.trace_id == trace_id]
-            if services <= {s.service for s in spans}:
-                return spans
-            time.sleep(0.1)
-        raise AssertionError(f"trace {trace_id} has only {spans}")
 
 
 @dataclass
@@ -75,19 +27,20 @@ class TracedStack:
 
 @pytest.fixture(scope="module")
 def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TracedStack]:
-    collector = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
-    port = free_port()
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    otlp = ("--otlp-endpoint", f"http://127.0.0.1:{port}")
-    suite = Suite(tmp_path_factory.mktemp("traced"))
+    with running_collector() as (collector, endpoint):
+        yield from _traced_stack(collector, endpoint, tiny_model_dir, tmp_path_factory)
+
+
+def _traced_stack(
+    collector: Collector, endpoint: str, model: Path, tmp: pytest.TempPathFactory
+) -> Iterator[TracedStack]:
+    otlp = ("--otlp-endpoint", endpoint)
+    suite = Suite(tmp.mktemp("traced"))
     try:
         registry = suite.start_registry(
             "--no-register-default",
             "--add-model",
-            f"tiny:v1={tiny_model_dir}",
+            f"tiny:v1={model}",
             "--default-model",
             "tiny",
         )
@@ -98,7 +51,6 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield TracedStack(collector, gateway)
     finally:
         suite.stop()
-        server.stop(0)
 
 
 def _generate(gateway: Service, metadata: tuple[tuple[str, str], ...]) -> str:

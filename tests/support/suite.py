@@ -195,7 +195,10 @@ class Stack:
 
 @contextmanager
 def default_model_stack(
-    workdir: Path, scheduler_args: Sequence[str] = (), worker_args: Sequence[str] = ()
+    workdir: Path,
+    scheduler_args: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
 ) -> Iterator[Stack]:
     from canteen.models import DEFAULT_MODEL_NAME
 
@@ -206,6 +209,7 @@ def default_model_stack(
         scheduler = suite.start_scheduler(registry, *scheduler_args)
         worker = suite.start_worker(registry, DEFAULT_MODEL_NAME, *worker_args)
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
-        yield Stack(registry, scheduler, worker, suite.start_gateway(registry, scheduler))
+        gateway = suite.start_gateway(registry, scheduler, *gateway_args)
+        yield Stack(registry, scheduler, worker, gateway)
     finally:
         suite.stop()

