@@ -35,6 +35,7 @@ def _up(args: argparse.Namespace) -> int:
         worker_args=args.worker_arg,
         host=args.host,
         http_port=args.http_port,
+        otlp_endpoint=args.otlp_endpoint,
     )
     return asyncio.run(Launcher(layout).run(ready_timeout=args.ready_timeout))
 
@@ -186,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--http-port", type=int, default=8080, help="OpenAI-compatible HTTP port (-1: off)"
     )
     up.add_argument("--workers", type=int, default=1, help="number of workers")
+    up.add_argument(
+        "--otlp-endpoint",
+        default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
+        help="send traces of gateway, scheduler and workers to this OTLP/gRPC endpoint",
+    )
     up.add_argument("--model", default="", help="model the workers serve (default: SmolLM2)")
     up.add_argument(
         "--add-model",
