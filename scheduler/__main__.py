@@ -23,10 +23,14 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 async def serve(config: SchedulerConfig) -> None:
     runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
-    settings = LinkSettings(config.max_num_seqs, config.prefix_cache, config.max_step_stall)
+    settings = LinkSettings(
+        config.max_num_seqs, config.prefix_cache, config.max_step_stall, config.worker_timeout
+    )
     registry = new_registry()
     metrics = SchedulerMetrics(registry)
-    pool = WorkerPool(config.registry, settings, runtime.set_ready, metrics.observe_step)
+    pool = WorkerPool(
+        config.registry, settings, runtime.set_ready, metrics.observe_step, config.failover_wait
+    )
     registry.register(PoolCollector(pool.links))
     service = SchedulerService(pool, config.max_queue, metrics)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), runtime.server)

@@ -90,16 +90,23 @@ class BatchScheduler:
         else:
             self._finish(seq, Finish.CANCELLED)
 
-    def fail_all(self, error: str) -> list[Sequence]:
-        """Ends every sequence (the worker is gone); returns them."""
-        failed = [*self.running, *self.waiting]
-        for seq in failed:
-            seq.error = error
-            self._finish(seq, Finish.FAILED)
+    def evict_all(self) -> list[Sequence]:
+        """Takes every unfinished sequence off this worker (it is lost), ready to run again
+        elsewhere from its prompt plus the tokens it already generated."""
+        evicted = []
+        for seq in [*self.running, *self.waiting]:
+            if seq.is_cancel_requested:
+                seq.status, seq.finish = Status.FINISHED, Finish.CANCELLED
+                continue
+            seq.block_ids, seq.block_keys, seq.num_computed, seq.num_sent_blocks = [], [], 0, 0
+            seq.is_on_worker = False
+            seq.status = Status.WAITING
+            evicted.append(seq)
+        self.running.clear()
         self.waiting.clear()
         self._pending_drops.clear()
         self._in_flight = None
-        return failed
+        return evicted
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -29,6 +29,14 @@ class SchedulerConfig:
         "decode-only step (learned from step timings); 0: only --max-batched-tokens bounds it",
     )
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
+    worker_timeout: float = option(
+        30.0, "a worker that does not answer a step within this many seconds is lost (0: never)"
+    )
+    failover_wait: float = option(
+        30.0,
+        "seconds a lost worker's sequences wait for another worker of their model "
+        "(at most the caller's deadline); then UNAVAILABLE",
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
@@ -47,3 +55,5 @@ class SchedulerConfig:
             "must be >= 1, or 0 for off",
         )
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
+        require(self.worker_timeout >= 0, "worker_timeout", self.worker_timeout, "must be >= 0")
+        require(self.failover_wait >= 0, "failover_wait", self.failover_wait, "must be >= 0")

@@ -19,12 +19,15 @@ from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchLimits, BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.sequence import Finish, SeqEvent, Sequence
+from scheduler.sequence import Finish, SeqEvent, Sequence, Status
 from scheduler.wire import plan_to_pb, result_from_pb
 
 log = get_logger(__name__)
 
 StepObserver = Callable[["WorkerDescription", StepPlan, float], None]
+# Sequences of a lost worker, each with the queue its caller reads, to run elsewhere.
+Orphans = list[tuple[Sequence, "asyncio.Queue[SeqEvent]"]]
+LossHandler = Callable[["WorkerLink", Orphans], None]
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class LinkSettings:
     max_num_seqs: int = 256
     enable_prefix_cache: bool = True
     max_step_stall: float = 0.0  # 0: prefill chunks bounded by max_batched_tokens only
+    worker_timeout: float = 0.0  # a step not answered within this many seconds: worker lost
 
 
 @dataclass(frozen=True)
@@ -70,9 +74,12 @@ class WorkerLink:
         channel: grpc.aio.Channel,
         settings: LinkSettings,
         on_step: StepObserver | None = None,
+        on_lost: LossHandler | None = None,
     ) -> None:
         self.desc = desc
         self._on_step = on_step
+        self._on_lost = on_lost
+        self._timeout = settings.worker_timeout or None
         self.last_batch_size = 0
         self._channel = channel
         self._stub = worker_pb2_grpc.WorkerStub(channel)
@@ -99,10 +106,15 @@ class WorkerLink:
 
     def submit(self, seq: Sequence) -> asyncio.Queue[SeqEvent]:
         queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self.adopt(seq, queue)
+        return queue
+
+    def adopt(self, seq: Sequence, queue: asyncio.Queue[SeqEvent]) -> None:
+        """Queues ``seq`` here; its events go to ``queue`` (new, or moved from a lost worker)."""
+        seq.worker_id = self.desc.worker_id
         self._queues[seq.request_id] = queue
         self.core.add(seq)
         self._wake.set()
-        return queue
 
     def cancel(self, seq: Sequence) -> None:
         self.core.cancel(seq)
@@ -119,13 +131,18 @@ class WorkerLink:
         try:
             await self._loop(call)
         except grpc.aio.AioRpcError as exc:
-            self._fail(
+            self._lose(
                 f"worker {self.desc.worker_id} at {self.desc.address} failed: "
                 f"{exc.code().name} {exc.details()}"
             )
+        except TimeoutError:
+            self._lose(
+                f"worker {self.desc.worker_id} did not answer a step within "
+                f"{self._timeout} s (--worker-timeout)"
+            )
         except Exception as exc:
             log.exception("worker link crashed", worker_id=self.desc.worker_id)
-            self._fail(f"worker {self.desc.worker_id} link failed: {exc}")
+            self._lose(f"worker {self.desc.worker_id} link failed: {exc}")
         finally:
             self.is_up = False
             call.cancel()
@@ -144,7 +161,7 @@ class WorkerLink:
                 continue
             started = time.monotonic()
             await call.write(plan_to_pb(plan))
-            msg = await call.read()
+            msg = await asyncio.wait_for(call.read(), self._timeout)
             if msg is grpc.aio.EOF:
                 raise grpc.aio.AioRpcError(
                     grpc.StatusCode.UNAVAILABLE,
@@ -163,9 +180,20 @@ class WorkerLink:
                         del self._queues[event.seq.request_id]
             await asyncio.sleep(0)  # let handlers submit and cancel between steps
 
-    def _fail(self, error: str) -> None:
+    def _lose(self, error: str) -> None:
+        """The worker is gone: its sequences go to ``on_lost`` to run elsewhere (or fail)."""
         log.error("worker lost", worker_id=self.desc.worker_id, error=error)
-        for seq in self.core.fail_all(error):
-            queue = self._queues.pop(seq.request_id, None)
-            if queue is not None:
-                queue.put_nowait(SeqEvent(seq, (), (), Finish.FAILED))
+        self.is_up = False
+        orphans = [
+            (seq, self._queues[seq.request_id])
+            for seq in self.core.evict_all()
+            if seq.request_id in self._queues
+        ]
+        self._queues.clear()
+        if self._on_lost is not None:
+            self._on_lost(self, orphans)
+            return
+        for seq, queue in orphans:
+            seq.error = error
+            seq.status, seq.finish = Status.FINISHED, Finish.FAILED
+            queue.put_nowait(SeqEvent(seq, (), (), Finish.FAILED))

@@ -22,7 +22,9 @@ from canteen.logging import get_logger
 from canteen.streams import follow_stream
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler
+from scheduler.failover import Failover
 from scheduler.link import LinkSettings, StepObserver, WorkerLink, describe
+from scheduler.sequence import Sequence
 
 log = get_logger(__name__)
 
@@ -34,9 +36,11 @@ class WorkerPool:
         settings: LinkSettings,
         on_ready_change: Callable[[bool], Awaitable[None]],
         on_step: StepObserver | None = None,
+        failover_wait: float = 30.0,
     ) -> None:
         self._settings = settings
         self._on_step = on_step
+        self.failover = Failover(self._place, failover_wait)
         self._registry_address = registry_address
         self._on_ready_change = on_ready_change
         self.links: dict[str, WorkerLink] = {}
@@ -60,12 +64,26 @@ class WorkerPool:
         assert chosen is not None, "pick needs at least one candidate"
         return candidates[chosen]
 
+    def cancel(self, seq: Sequence) -> None:
+        """Stops ``seq`` wherever it is: on a worker, or waiting for one after a failover."""
+        if self.failover.cancel(seq):
+            return
+        link = self.links.get(seq.worker_id)
+        if link is not None:
+            link.cancel(seq)
+
+    def _place(self, model: str, version: str, seq: Sequence) -> WorkerLink | None:
+        total = len(seq.prompt_ids) + seq.max_tokens
+        fitting = [link for link in self.serving(model, version) if fits(link, total)]
+        return self.pick(fitting, seq.tokens) if fitting else None
+
     @property
     def num_waiting(self) -> int:
         return sum(len(link.core.waiting) for link in self.links.values())
 
     async def watch_forever(self) -> None:
         """Follows the registry's worker directory, reconnecting with backoff."""
+        self._spawn(self.failover.expire_forever())
         await follow_stream(
             self._registry_address,
             lambda channel: registry_pb2_grpc.RegistryStub(channel).WatchWorkers(
@@ -98,8 +116,15 @@ class WorkerPool:
             return
         finally:
             self._connecting.discard(entry.worker_id)
-        link = WorkerLink(describe(info, entry.address), channel, self._settings, self._on_step)
+        link = WorkerLink(
+            describe(info, entry.address),
+            channel,
+            self._settings,
+            self._on_step,
+            self.failover.on_lost,
+        )
         self.links[entry.worker_id] = link
+        self.failover.retry()
         log.info(
             "worker connected",
             worker_id=entry.worker_id,
@@ -140,6 +165,15 @@ def pick_worker(cores: list[BatchScheduler], prompt_ids: list[int]) -> int | Non
     if chosen is not None:
         return chosen
     return max(range(len(cores)), key=lambda i: _headroom(cores[i]))
+
+
+def fits(link: WorkerLink, total_tokens: int) -> bool:
+    """Whether prompt + max_tokens = ``total_tokens`` can ever run on ``link``'s worker."""
+    desc = link.desc
+    return (
+        total_tokens <= desc.max_model_len
+        and link.core.pool.blocks_for(total_tokens) <= desc.num_blocks
+    )
 
 
 def _headroom(core: BatchScheduler) -> int:

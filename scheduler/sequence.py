@@ -49,6 +49,10 @@ class Sequence:
     first_scheduled_time: float | None = None
     admit_order: int = 0
     traceparent: str = ""
+    # Where it runs now (a worker id), and when its caller stops waiting (monotonic).
+    worker_id: str = ""
+    deadline: float | None = None
+    num_failovers: int = 0
 
     @property
     def tokens(self) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -33,7 +34,9 @@ _ERRORS = {
 }
 
 
-def params_from_pb(msg: scheduler_pb2.ScheduleRequest) -> GenerateParams:
+def params_from_pb(
+    msg: scheduler_pb2.ScheduleRequest, time_remaining: float | None = None
+) -> GenerateParams:
     s = msg.sampling
     return GenerateParams(
         request_id=msg.request_id,
@@ -45,6 +48,7 @@ def params_from_pb(msg: scheduler_pb2.ScheduleRequest) -> GenerateParams:
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
+        deadline=time.monotonic() + time_remaining if time_remaining is not None else None,
     )
 
 
@@ -56,7 +60,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        params = params_from_pb(request)
+        params = params_from_pb(request, context.time_remaining())
         is_first = True
         try:
             trace_context = context_from_metadata(context.invocation_metadata())

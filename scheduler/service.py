@@ -13,7 +13,7 @@ from canteen.plan import MAX_TOP_LOGPROBS, Sampling
 from canteen.tracing import get_tracer, traceparent_of
 from scheduler.link import WorkerLink
 from scheduler.metrics import SchedulerMetrics
-from scheduler.router import WorkerPool
+from scheduler.router import WorkerPool, fits
 from scheduler.sequence import Finish, SeqEvent, Sequence
 
 log = get_logger(__name__)
@@ -47,6 +47,7 @@ class GenerateParams:
     stop_token_ids: frozenset[int]
     ignore_eos: bool
     priority: int
+    deadline: float | None = None  # monotonic time the caller stops waiting
 
 
 class SchedulerService:
@@ -65,7 +66,7 @@ class SchedulerService:
             wanted = f"{params.model}:{params.version}" if params.version else params.model
             raise NoWorkerError(f"no ready worker serves model {wanted!r}")
         total = len(params.prompt_ids) + params.max_tokens
-        fitting = [link for link in candidates if _fits(link, total)]
+        fitting = [link for link in candidates if fits(link, total)]
         if not fitting:
             raise InvalidRequestError(_never_fits(params, max(candidates, key=_capacity)))
         link = self.pool.pick(fitting, params.prompt_ids)
@@ -94,6 +95,7 @@ class SchedulerService:
         """Yields the sequence's events until it finishes; cancels it if the caller leaves."""
         with tracer.start_as_current_span("scheduler.generate", context=trace_context) as span:
             link, seq = self._admit(params)
+            seq.deadline = params.deadline
             seq.traceparent = traceparent_of(span)
             span.set_attribute("canteen.worker", link.desc.worker_id)
             queue = link.submit(seq)
@@ -109,7 +111,7 @@ class SchedulerService:
                     yield event
             finally:
                 if not seq.is_finished:
-                    link.cancel(seq)
+                    self.pool.cancel(seq)
                     log.info(
                         "request cancelled",
                         request_id=params.request_id,
@@ -151,14 +153,6 @@ def _capacity(link: WorkerLink) -> tuple[int, int]:
     return min(
         link.desc.max_model_len, link.desc.num_blocks * link.desc.block_size
     ), link.desc.num_blocks
-
-
-def _fits(link: WorkerLink, total_tokens: int) -> bool:
-    desc = link.desc
-    return (
-        total_tokens <= desc.max_model_len
-        and link.core.pool.blocks_for(total_tokens) <= desc.num_blocks
-    )
 
 
 def _never_fits(params: GenerateParams, link: WorkerLink) -> str:
