@@ -38,6 +38,10 @@ class GatewayConfig:
     )
     screen_config: str = option("", "JSON object passed to the screen's factory")
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
+    scheduler_retry: float = option(
+        15.0,
+        "seconds a request with no token yet is retried while the scheduler cannot be reached",
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
@@ -56,6 +60,7 @@ class GatewayConfig:
         for name in ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_length"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
+        require(self.scheduler_retry >= 0, "scheduler_retry", self.scheduler_retry, "must be >= 0")
         for name in ("max_prompt_tokens", "max_output_tokens"):
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.rate_limit_rpm >= 0, "rate_limit_rpm", self.rate_limit_rpm, "must be >= 0")

@@ -7,6 +7,7 @@ cancelling the request upstream so its blocks are freed at once.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import re
 import time
@@ -347,13 +348,9 @@ class InferenceService:
         detok, stops = IncrementalDetokenizer(admitted.tokenizer), StopMatcher(inp.stop)
         screen = StreamScreen(self.screen) if self.screen is not None else None
         num_tokens = 0
-        call = self.scheduler.Generate(
-            request,
-            timeout=timeout,
-            metadata=(("x-request-id", inp.request_id), *trace_metadata(span)),
-        )
+        metadata = (("x-request-id", inp.request_id), *trace_metadata(span))
         try:
-            async for msg in call:
+            async for msg in self._schedule(request, timeout, metadata):
                 num_tokens += len(msg.token_ids)
                 delta = _delta(msg, stops.push(detok.push(list(msg.token_ids))), model.ref)
                 if msg.finish_reason and not stops.is_stopped:
@@ -380,8 +377,48 @@ class InferenceService:
         except grpc.aio.AioRpcError as exc:
             raise UpstreamError(exc.code(), exc.details() or "scheduler error") from exc
         finally:
-            call.cancel()
             admitted.reservation.settle(len(ids) + num_tokens)
+
+    async def _schedule(
+        self,
+        request: scheduler_pb2.ScheduleRequest,
+        timeout: float | None,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
+        """The scheduler's stream for ``request``. Until its first message, a scheduler that
+        cannot be reached (restarting, draining) is retried with backoff for
+        ``--scheduler-retry`` seconds within the deadline, so a restart costs only delay; once
+        tokens have flowed, a failure ends the stream and nothing is sent twice."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.config.scheduler_retry
+        deadline = loop.time() + timeout if timeout is not None else None
+        delay = 0.05
+        while True:
+            remaining = deadline - loop.time() if deadline is not None else None
+            call = self.scheduler.Generate(request, timeout=remaining, metadata=metadata)
+            received = False
+            try:
+                async for msg in call:
+                    received = True
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                last_try = min(give_up, deadline or give_up) < loop.time() + delay
+                if received or last_try or not _unreachable(exc):
+                    raise
+                log.warning("scheduler unreachable; retrying", code=exc.code().name, delay=delay)
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
+    """UNAVAILABLE from the transport or a draining server, not the scheduler's own verdict
+    (those carry ``canteen-final`` in their trailers)."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    return not any(key == "canteen-final" for key, _ in exc.trailing_metadata() or ())
 
 
 def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> TextDelta:

@@ -14,6 +14,7 @@ the next worker, which caches them too.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -27,6 +28,10 @@ from scheduler.link import LinkSettings, StepObserver, WorkerLink, describe
 from scheduler.sequence import Sequence
 
 log = get_logger(__name__)
+
+# After the worker watch (re)connects, workers missing from the directory are not drained for
+# this long: a restarted registry knows no lease until each worker's next heartbeat.
+DIRECTORY_RESYNC_SECONDS = 15.0
 
 
 class WorkerPool:
@@ -47,6 +52,8 @@ class WorkerPool:
         self._tasks: set[asyncio.Task[None]] = set()
         self._connecting: set[str] = set()
         self._was_ready = False
+        self._synced_at: float | None = None  # when the current watch stream began
+        self._was_broken = False  # the watch stream broke at least once (registry restart)
 
     def serving(self, model: str, version: str) -> list[WorkerLink]:
         """Ready workers of the model (of that version, when given)."""
@@ -91,12 +98,19 @@ class WorkerPool:
             ),
             self._apply,
             "registry workers",
+            self._watch_broken,
         )
+
+    async def _watch_broken(self) -> None:
+        self._synced_at, self._was_broken = None, True
 
     async def _apply(self, snapshot: registry_pb2.WorkerList) -> None:
         live = {w.worker_id: w for w in snapshot.workers}
+        now = time.monotonic()
+        self._synced_at = self._synced_at or now
+        resyncing = self._was_broken and now - self._synced_at < DIRECTORY_RESYNC_SECONDS
         for worker_id, link in self.links.items():
-            if worker_id not in live and not link.is_draining:
+            if worker_id not in live and not link.is_draining and not resyncing:
                 log.info("worker left the directory", worker_id=worker_id)
                 link.drain()
         for worker_id, entry in live.items():

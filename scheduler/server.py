@@ -88,7 +88,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     )
                 yield response
         except tuple(_ERRORS) as exc:
-            await context.abort(_ERRORS[type(exc)], str(exc))
+            # The scheduler's own verdict: the gateway does not retry it as if unreachable.
+            await context.abort(_ERRORS[type(exc)], str(exc), (("canteen-final", "1"),))
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

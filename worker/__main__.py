@@ -115,8 +115,10 @@ async def keep_lease(
                 )
             ttl = lease.ttl_seconds
         except grpc.aio.AioRpcError as exc:
-            registered = registered and exc.code() != grpc.StatusCode.NOT_FOUND
             log.warning("lease renewal failed", code=exc.code().name)
+            if registered and exc.code() == grpc.StatusCode.NOT_FOUND:
+                registered = False  # a restarted registry forgot the lease: register now
+                continue
         await asyncio.sleep(max(ttl / 3, 0.1))
 
 

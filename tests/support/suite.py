@@ -34,6 +34,8 @@ class Service:
     log_path: Path
     http_port: int = 0
     metrics_port: int = 0
+    module: str = ""
+    args: list[str] = field(default_factory=list)
 
     @property
     def metrics_url(self) -> str:
@@ -96,9 +98,13 @@ class Suite:
         service: str,
         ready_timeout: float = 300.0,
         wait_ready: bool = True,
+        port: int = 0,
     ) -> Service:
-        port, metrics_port = free_port(), free_port()
+        """Starts ``python -m module``; ``port`` reuses a port (a restart), else a free one."""
+        port, metrics_port = port or free_port(), free_port()
         log_path = self.workdir / f"{name}.log"
+        if log_path.exists():  # a restart keeps the earlier run's log
+            log_path = self.workdir / f"{name}.{len(self.services)}.log"
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -123,12 +129,19 @@ class Suite:
             stderr=subprocess.STDOUT,
         )
         svc = Service(name, port, service, process, log_path, metrics_port=metrics_port)
+        svc.module, svc.args = module, list(args)
         self.services.append(svc)
         try:
             wait_serving(svc.address, service if wait_ready else "", ready_timeout, process)
         except Exception as exc:
             raise RuntimeError(f"{name} did not start:\n{svc.log()[-4000:]}") from exc
         return svc
+
+    def restart(self, svc: Service, wait_ready: bool = True) -> Service:
+        """Starts ``svc`` again (after it exited) on the same port with the same flags."""
+        return self.spawn(
+            svc.name, svc.module, svc.args, svc.service, wait_ready=wait_ready, port=svc.port
+        )
 
     def start_registry(self, *args: str) -> Service:
         db = str(self.workdir / "registry.db")
