@@ -1,0 +1,225 @@
+"""Drains, deadlines and load shedding for real: SIGTERM a worker, the scheduler and a
+gateway under load; a client deadline that expires mid-stream; a flood past the queue."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.suite import Service, Suite, wait_serving
+
+ARGS = ("--block-size", "8", "--threads", "1")
+BIG, SMALL = 520, 200  # worker-a's and worker-b's blocks: the router fills worker-a first
+LONG = 1000  # tokens of a long stream (127 blocks: fits either worker)
+
+
+@dataclass
+class Stack:
+    suite: Suite
+    registry: Service
+    scheduler: Service
+    gateway: Service
+    workers: dict[str, Service]
+
+    def stats(self) -> dict[str, scheduler_pb2.WorkerStats]:
+        with grpc.insecure_channel(self.scheduler.address) as channel:
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=5
+            )
+        return {w.worker_id: w for w in reply.workers}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Suite(tmp_path_factory.mktemp("drains"))
+    try:
+        registry = s.start_registry(
+            "--no-register-default",
+            "--add-model",
+            f"tiny:v1={tiny_model_dir}",
+            "--default-model",
+            "tiny",
+        )
+        scheduler = s.start_scheduler(registry, "--max-step-stall", "0", "--max-queue", "6")
+        a = s.start_worker(registry, "tiny", "--num-kv-blocks", str(BIG), *ARGS, name="worker-a")
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
+        gateway = s.start_gateway(registry, scheduler, "--scheduler-retry", "30")
+        yield Stack(s, registry, scheduler, gateway, {"worker-a": a})
+    finally:
+        s.stop()
+
+
+class Stream(threading.Thread):
+    def __init__(self, address: str, prompt: str, max_tokens: int, timeout: float = 120) -> None:
+        super().__init__(daemon=True)
+        self.request = inference_pb2.GenerateRequest(
+            prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        )
+        self.address, self.timeout = address, timeout
+        self.tokens: list[int] = []
+        self.error: grpc.RpcError | None = None
+
+    def run(self) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            try:
+                for msg in stub.Generate(self.request, timeout=self.timeout):
+                    self.tokens.extend(msg.token_ids)
+            except grpc.RpcError as exc:
+                self.error = exc
+
+
+def _run(address: str, prompt: str, max_tokens: int) -> Stream:
+    stream = Stream(address, prompt, max_tokens)
+    stream.run()
+    return stream
+
+
+def _until(condition: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_rolling_worker_restart_under_load_loses_nothing(stack: Stack) -> None:
+    b = stack.suite.start_worker(
+        stack.registry, "tiny", "--num-kv-blocks", str(SMALL), *ARGS, name="worker-b"
+    )
+    stack.workers["worker-b"] = b
+    _until(lambda: "worker-b" in stack.stats(), 30, "worker-b to connect")
+    prompts = [f"Rolling restart story {i}" for i in range(4)]
+    streams = [Stream(stack.gateway.address, p, LONG) for p in prompts]
+    for s in streams:
+        s.start()
+    _until(lambda: all(len(s.tokens) >= 4 for s in streams), 60, "the streams to start")
+    assert stack.stats()["worker-a"].num_running == 4
+    a = stack.workers.pop("worker-a")
+    a.process.send_signal(signal.SIGTERM)
+    # While worker-a drains, new work goes to worker-b.
+    fresh = _run(stack.gateway.address, "new work during the drain", 16)
+    assert fresh.error is None and len(fresh.tokens) == 16
+    for s in streams:
+        s.join(120)
+    assert a.process.wait(60) == 0
+    assert "drain" in a.log() or "stopped" in a.log()
+    for s, prompt in zip(streams, prompts, strict=True):
+        assert s.error is None, s.error
+        assert s.tokens == _run(stack.gateway.address, prompt, LONG).tokens  # on worker-b now
+    assert set(stack.stats()) == {"worker-b"}
+
+
+def test_scheduler_sigterm_finishes_streams_and_new_work_waits_for_the_next(
+    stack: Stack,
+) -> None:
+    prompt = "The scheduler drains"
+    expected = _run(stack.gateway.address, prompt, 300).tokens
+    stream = Stream(stack.gateway.address, prompt, 300)
+    stream.start()
+    _until(lambda: len(stream.tokens) >= 4, 60, "tokens to flow")
+    old = stack.scheduler
+    old.process.send_signal(signal.SIGTERM)
+    late = Stream(stack.gateway.address, prompt, 300)
+    time.sleep(0.2)
+    late.start()  # refused UNAVAILABLE by the draining scheduler: the gateway retries it
+    stream.join(60)
+    assert stream.error is None, stream.error
+    assert stream.tokens == expected
+    assert old.process.wait(60) == 0
+    assert late.is_alive() and late.error is None
+    stack.scheduler = stack.suite.restart(old, wait_ready=False)
+    late.join(60)
+    assert late.error is None, late.error
+    assert late.tokens == expected
+
+
+def test_gateway_sigterm_finishes_an_sse_stream_and_refuses_new_http_work(
+    stack: Stack,
+) -> None:
+    gateway = stack.suite.start_gateway(stack.registry, stack.scheduler, name="gateway-2")
+    url = f"{gateway.http_url}/v1/completions"
+    body = {"model": "tiny", "prompt": "SSE drain", "max_tokens": 400, "ignore_eos": True}
+    lines: list[str] = []
+
+    def read() -> None:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", url, json={**body, "stream": True}) as reply,
+        ):
+            lines.extend(line for line in reply.iter_lines() if line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    _until(lambda: len(lines) >= 4, 60, "SSE chunks")
+    gateway.process.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    refused = httpx.post(url, json=body, timeout=10)
+    assert refused.status_code == 503
+    assert "draining" in refused.json()["error"]["message"]
+    reader.join(60)
+    assert lines[-1] == "data: [DONE]"
+    assert '"finish_reason": "length"' in lines[-2] or '"finish_reason":"length"' in lines[-2]
+    assert gateway.process.wait(60) == 0
+
+
+def test_an_expired_deadline_frees_the_request_within_a_step(stack: Stack) -> None:
+    stream = Stream(stack.gateway.address, "I will run out of time", LONG, timeout=0.5)
+    stream.run()
+    assert stream.error is not None
+    assert stream.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert 0 < len(stream.tokens) < LONG
+
+    def all_free() -> bool:
+        return all(
+            w.num_free_blocks == w.num_total_blocks and w.num_running == w.num_waiting == 0
+            for w in stack.stats().values()
+        )
+
+    _until(all_free, 5, "every block to be free")
+
+
+def test_a_flood_is_shed_at_the_queue_and_health_keeps_answering(stack: Stack) -> None:
+    streams = [Stream(stack.gateway.address, f"flood {i}", 200) for i in range(60)]
+    health: list[int] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with grpc.insecure_channel(stack.gateway.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not stop.is_set():
+                reply = stub.Check(
+                    health_pb2.HealthCheckRequest(service="canteen.v1.Inference"), timeout=5
+                )
+                health.append(reply.status)
+                time.sleep(0.05)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.join(180)
+    stop.set()
+    prober.join(10)
+    shed = [s for s in streams if s.error is not None]
+    served = [s for s in streams if s.error is None]
+    assert shed and served
+    for s in shed:
+        assert s.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, s.error
+        assert "queue is full" in s.error.details()
+        assert s.tokens == []
+    expected = {len(s.tokens) for s in served}
+    assert expected == {200}
+    assert health and set(health) == {health_pb2.HealthCheckResponse.SERVING}
