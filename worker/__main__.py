@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -60,6 +61,14 @@ async def fetch_record(
             log.info("waiting for registry", delay=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+def advertised_host(config: WorkerConfig) -> str:
+    """The host the scheduler dials: --advertise-host, else --host unless it is a wildcard
+    (0.0.0.0 or ::), in which case this machine's hostname."""
+    if config.advertise_host:
+        return config.advertise_host
+    return socket.gethostname() if config.host in ("0.0.0.0", "::", "") else config.host
 
 
 def warm_up(runner: ModelRunner, num_tokens: int) -> None:
@@ -194,7 +203,7 @@ async def serve(config: WorkerConfig, engine: Executor, runtimes: list[ServiceRu
     assert servicer.pool_size is not None
     metrics.set_pool(servicer.pool_size.kv_bytes, servicer.pool_size.budget_bytes)
     await runtime.set_ready(True)
-    host = config.advertise_host or config.host
+    host = advertised_host(config)
     lease = asyncio.create_task(
         keep_lease(
             registry,

