@@ -30,7 +30,7 @@ async def throughput(stack: Stack, args: argparse.Namespace, seed: int) -> float
         Target(address=stack.gateway.address),
         workload,
         Concurrency(args.streams),
-        Limits(num_requests=args.requests, progress=False),
+        Limits(num_requests=args.requests, progress=False, drain_timeout=600),
     )
     s = run.summary
     assert s.num_failed == 0, s.errors

@@ -176,3 +176,41 @@ def test_with_no_worker_coming_back_the_stream_fails_unavailable(
     assert stream.error.code() == grpc.StatusCode.UNAVAILABLE
     assert "was lost and no other ready worker serves tiny:v1" in stream.error.details()
     assert time.monotonic() - started < 15
+
+
+def test_a_worker_that_stops_answering_is_lost_after_the_worker_timeout(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    s = Suite(tmp_path_factory.mktemp("silent-worker"))
+    try:
+        registry = s.start_registry(
+            "--no-register-default",
+            "--add-model",
+            f"tiny:v1={tiny_model_dir}",
+            "--default-model",
+            "tiny",
+        )
+        scheduler = s.start_scheduler(registry, "--max-step-stall", "0", "--worker-timeout", "2")
+        st = Stack(s, registry, scheduler, gateway=None)  # type: ignore[arg-type]
+        st.start_worker("worker-a")
+        st.start_worker("worker-b")
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
+        st.gateway = s.start_gateway(registry, scheduler)
+        streams = [Stream(st.gateway, p) for p in PROMPTS[:4]]
+        for stream in streams:
+            stream.start()
+        _wait(lambda: all(len(x.tokens) >= 8 for x in streams), 60, "every stream to start")
+        running = {wid: w.num_running for wid, w in st.stats().items()}
+        victim = max(running, key=lambda wid: running[wid])
+        st.workers[victim].process.send_signal(signal.SIGSTOP)  # alive, but silent
+        try:
+            for stream in streams:
+                stream.join(120)
+        finally:
+            st.workers[victim].process.send_signal(signal.SIGCONT)
+        for stream, prompt in zip(streams, PROMPTS, strict=False):
+            assert stream.error is None, stream.error
+            assert stream.tokens == _reference(st.gateway, prompt, None, MAX_TOKENS)
+        assert "(--worker-timeout)" in scheduler.log()
+    finally:
+        s.stop()
