@@ -12,6 +12,9 @@ from dataclasses import dataclass
 MAX_TOP_LOGPROBS = 20  # most alternatives a sequence may ask for per token
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How a sequence picks its tokens; the draw at a position depends on (seed, position)."""
@@ -24,7 +27,9 @@ class Sampling:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflow float32 into inf and NaN probabilities;
+        # sampling that cold is argmax anyway.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)

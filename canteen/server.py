@@ -23,6 +23,7 @@ log = get_logger(__name__)
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _ALWAYS_ALLOWED = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_LAST_REFUSALS_SECONDS = 0.2
 
 
 class _DrainInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
@@ -63,14 +64,46 @@ class _InFlight:
             self.idle.set()
 
 
+class _Undecodable:
+    """What a request that is not a valid message decodes to, so the handler can refuse it
+    with INVALID_ARGUMENT (an exception in the deserializer would surface as UNKNOWN)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _safe(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:
+            return _Undecodable(exc)
+
+    return decode
+
+
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is not a valid protobuf message: {request.error}",
+        )
+
+
 def _counted(handler: grpc.RpcMethodHandler, in_flight: _InFlight) -> grpc.RpcMethodHandler:
     if handler is None:
         return handler
     des, ser = handler.request_deserializer, handler.response_serializer
+    if not handler.request_streaming:
+        des = _safe(des)
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await _refuse_undecodable(request, context)
             in_flight.enter()
             try:
                 return await inner_uu(request, context)
@@ -82,6 +115,7 @@ def _counted(handler: grpc.RpcMethodHandler, in_flight: _InFlight) -> grpc.RpcMe
     if streaming is not None:
         # One wrapper serves both: the first argument is a request or a request iterator.
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await _refuse_undecodable(request, context)
             in_flight.enter()
             try:
                 async for item in streaming(request, context):
@@ -206,6 +240,9 @@ class ServiceRuntime:
             await asyncio.wait_for(self.in_flight.idle.wait(), self.grace_seconds)
         except TimeoutError:
             log.warning("grace period over; cancelling", num_in_flight=self.in_flight.count)
+        # Calls already on the wire still get UNAVAILABLE (retryable) rather than the
+        # CANCELLED that a stopping server answers.
+        await asyncio.sleep(_LAST_REFUSALS_SECONDS)
         await self.server.stop(0.5)
         self._stopped.set()
 

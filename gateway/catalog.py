@@ -87,7 +87,8 @@ class ModelCatalog:
         if found is None:
             names = sorted({*self._latest, *self._routes})
             known = ", ".join(names) or "none"
-            raise UnknownModelError(f"model {wanted!r} is not registered (available: {known})")
+            shown = repr(wanted) if len(wanted) <= 64 else repr(wanted[:61] + "...")
+            raise UnknownModelError(f"model {shown} is not registered (available: {known})")
         return found
 
     def apply(self, msg: registry_pb2.ListModelsRegistryResponse) -> None:

@@ -30,8 +30,10 @@ from gateway.openai_api import (
     ChoiceResult,
     OpenAIRequest,
     TokenLogprobs,
+    check_text,
     chunk_json,
     logprobs_json,
+    parse_messages,
     parse_request,
     response_json,
     usage_chunk_json,
@@ -151,11 +153,23 @@ class HttpEdge:
         return response
 
     async def _body(self, request: web.Request) -> object:
+        raw = await request.read()  # HTTPRequestEntityTooLarge past --max-body-bytes
+        charset = request.charset or "utf-8"
         try:
-            return await request.json()
-        except web.HTTPRequestEntityTooLarge:
-            raise
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            text = raw.decode(charset)
+        except LookupError:
+            raise InvalidInputError(
+                f"the request body's charset {charset[:64]!r} is not a known text encoding"
+            ) from None
+        except ValueError as exc:  # UnicodeDecodeError, and codecs' own UnicodeErrors
+            raise InvalidInputError(f"the request body is not valid {charset[:64]}: {exc}") from exc
+        try:
+            return json.loads(text)
+        except RecursionError:
+            raise InvalidInputError(
+                "the request body is not valid JSON: its arrays or objects nest too deeply"
+            ) from None
+        except ValueError as exc:  # JSONDecodeError, or an integer past the digit limit
             raise InvalidInputError(f"the request body is not valid JSON: {exc}") from exc
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -303,21 +317,18 @@ class HttpEdge:
         return web.json_response({"object": "list", "data": data})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if not isinstance(body, dict):
-            raise InvalidInputError("the request body must be a JSON object")
+        body = _object(await self._body(request))
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
         model, ids = await self.service.tokenize(
-            str(body.get("model") or ""), body.get("prompt"), body.get("messages")
+            _model(body), prompt, None if messages is None else parse_messages(messages)
         )
         return web.json_response({"model": model, "tokens": ids, "count": len(ids)})
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        if not isinstance(body, dict):
-            raise InvalidInputError("the request body must be a JSON object")
-        model, text = await self.service.detokenize(
-            str(body.get("model") or ""), body.get("tokens")
-        )
+        body = _object(await self._body(request))
+        model, text = await self.service.detokenize(_model(body), body.get("tokens"))
         return web.json_response({"model": model, "prompt": text})
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -325,6 +336,19 @@ class HttpEdge:
         return web.json_response(
             {"status": "draining" if self.is_draining else "ok"}, status=status
         )
+
+
+def _object(body: object) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise InvalidInputError("the request body must be a JSON object")
+    return body
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model") or ""
+    if not isinstance(model, str):
+        raise InvalidInputError(f"model: expected a string, got {type(model).__name__}")
+    return model
 
 
 def _public_finish(reason: str) -> str:

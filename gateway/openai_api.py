@@ -16,6 +16,7 @@ from gateway.errors import InvalidInputError
 from gateway.service import GenerateInput, TextDelta
 
 MAX_N = 4
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64; sent upstream modulo 2**64
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,25 @@ def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], defaul
     return value
 
 
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    value = _get(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond the float range (JSON allows any digits)
+        raise InvalidInputError(f"{name}: the number is too large") from None
+
+
+def check_text(text: str, name: str) -> str:
+    """``text`` when it is valid Unicode; JSON escapes can smuggle in lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{name}: not valid Unicode (a lone surrogate at character {exc.start})"
+        ) from None
+    return text
+
+
 def _kind_name(kinds: type | tuple[type, ...]) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}
     ks = kinds if isinstance(kinds, tuple) else (kinds,)
@@ -56,13 +76,22 @@ def _kind_name(kinds: type | tuple[type, ...]) -> str:
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    raw = body.get("messages")
+    return parse_messages(body.get("messages"))
+
+
+def parse_messages(raw: object) -> list[dict[str, str]]:
+    """Chat messages as {role, content} strings; content parts are joined text parts."""
     if not isinstance(raw, list):
         raise InvalidInputError("messages: expected a list of {role, content} objects")
     out = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise InvalidInputError(f"messages[{i}]: expected an object with role and content")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise InvalidInputError(
+                f"messages[{i}].role: expected a string, got {type(role).__name__}"
+            )
         content = m.get("content") or ""
         if isinstance(content, list):  # content parts: only text parts carry meaning here
             parts = []
@@ -71,11 +100,17 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
                     raise InvalidInputError(
                         f"messages[{i}].content[{j}]: only text parts are supported"
                     )
-                parts.append(str(part.get("text", "")))
+                text = part.get("text", "")
+                if not isinstance(text, str):
+                    raise InvalidInputError(
+                        f"messages[{i}].content[{j}].text: expected a string, "
+                        f"got {type(text).__name__}"
+                    )
+                parts.append(text)
             content = "".join(parts)
         if not isinstance(content, str):
             raise InvalidInputError(f"messages[{i}].content: expected a string or text parts")
-        out.append({"role": str(m.get("role", "")), "content": content})
+        out.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
     return out
 
 
@@ -85,7 +120,7 @@ def _prompt(body: dict[str, Any]) -> str:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidInputError("prompt: expected a string (or a list of exactly one string)")
-    return prompt
+    return check_text(prompt, "prompt")
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -93,9 +128,9 @@ def _stop(body: dict[str, Any]) -> list[str]:
     if stop is None:
         return []
     if isinstance(stop, str):
-        return [stop]
+        return [check_text(stop, "stop")]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return list(stop)
+        return [check_text(s, f"stop[{i}]") for i, s in enumerate(stop)]
     raise InvalidInputError("stop: expected a string or a list of strings")
 
 
@@ -109,7 +144,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
-    temperature = float(_get(body, "temperature", (int, float), 1.0))
+    temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise InvalidInputError(f"temperature={temperature}: must be in [0, 2]")
     if kind == "chat":
@@ -126,11 +161,13 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
         raise InvalidInputError(f"top_logprobs={top}: must be in 0..{MAX_TOP_LOGPROBS}")
     stream_options = _get(body, "stream_options", dict, {})
     seed = _get(body, "seed", int, None)
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise InvalidInputError(f"seed={seed}: must be in {SEED_MIN}..{SEED_MAX}")
     common = dict(
         model=_get(body, "model", str, ""),
         max_tokens=max_tokens,
         temperature=temperature,
-        top_p=float(_get(body, "top_p", (int, float), 1.0)),
+        top_p=_number(body, "top_p", 1.0),
         stop=_stop(body),
         top_logprobs=top,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),  # an extension, as in vLLM
@@ -142,7 +179,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
             request_id=request_id if n == 1 else f"{request_id}-{i}",
             prompt=prompt,
             messages=messages,
-            seed=None if seed is None else seed + i,
+            seed=None if seed is None else (seed + i) % 2**64,
             **common,
         )
         for i in range(n)

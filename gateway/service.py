@@ -414,9 +414,10 @@ class InferenceService:
 
 
 def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
-    """UNAVAILABLE from the transport or a draining server, not the scheduler's own verdict
-    (those carry ``canteen-final`` in their trailers)."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+    """UNAVAILABLE from the transport or a draining server, or CANCELLED by a server that
+    was stopping as the call arrived; not the scheduler's own verdict (those carry
+    ``canteen-final`` in their trailers). The gateway's own cancel never lands here."""
+    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return False
     return not any(key == "canteen-final" for key, _ in exc.trailing_metadata() or ())
 
@@ -433,6 +434,12 @@ def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> Te
     )
 
 
+def _clip(value: object, limit: int = 64) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that echo input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _check_messages(messages: list[dict[str, str]], max_messages: int, max_chars: int) -> None:
     if not messages:
         raise InvalidInputError("messages must not be empty")
@@ -444,7 +451,8 @@ def _check_messages(messages: list[dict[str, str]], max_messages: int, max_chars
     for i, message in enumerate(messages):
         if message.get("role") not in ROLES:
             raise InvalidInputError(
-                f"messages[{i}].role={message.get('role')!r}: must be one of {', '.join(ROLES)}"
+                f"messages[{i}].role={_clip(message.get('role'))}: must be one of "
+                f"{', '.join(ROLES)}"
             )
         total += len(message.get("content", ""))
     if total > max_chars:

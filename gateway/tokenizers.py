@@ -15,18 +15,32 @@ class TemplateError(ValueError):
     pass
 
 
+def _check_unicode(text: str, name: str) -> None:
+    """Lone surrogates (which JSON escapes allow) make the Rust tokenizer raise TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TemplateError(
+            f"{name}: not valid Unicode (a lone surrogate at character {exc.start})"
+        ) from None
+
+
 class Tokenizer:
     def __init__(self, hf: Any) -> None:
         self.hf = hf
         self.vocab_size = len(hf)
 
     def encode(self, text: str) -> list[int]:
+        _check_unicode(text, "the text")
         ids: list[int] = self.hf(text, add_special_tokens=False)["input_ids"]
         return ids
 
     def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
         if not getattr(self.hf, "chat_template", None):
             raise TemplateError("this model has no chat template; send a prompt instead")
+        for i, message in enumerate(messages):
+            for key in ("role", "content"):
+                _check_unicode(str(message.get(key, "")), f"messages[{i}].{key}")
         try:
             text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja raises its own exceptions for bad conversations
