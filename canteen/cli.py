@@ -10,6 +10,7 @@ import sys
 import grpc
 
 from canteen.bench import cli as bench_cli
+from canteen.chaos import cli as chaos_cli
 from canteen.launcher import Launcher, SuiteLayout
 from canteen.models import MAX_ALIAS_WEIGHT
 from canteen.v1 import (
@@ -230,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_models_parser(sub)
     bench_cli.add_parsers(sub)
+    chaos_cli.add_parser(sub)
     return parser
 
 
@@ -241,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(asyncio.run(_generate(args)))
     if args.command in bench_cli.COMMANDS:
         sys.exit(bench_cli.run(args))
+    if args.command == chaos_cli.COMMAND:
+        sys.exit(chaos_cli.run(args))
     sys.exit(asyncio.run(_models(args)))
 
 

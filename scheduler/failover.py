@@ -36,6 +36,9 @@ class Waiting:
 Placer = Callable[[str, str, Sequence], WorkerLink | None]
 
 
+MAX_FAILOVERS = 3  # a sequence whose workers keep dying is failed, not moved again
+
+
 class Failover:
     def __init__(self, place: Placer, max_wait: float) -> None:
         self._place = place  # a ready worker of (model, version) that fits the sequence
@@ -51,7 +54,9 @@ class Failover:
             item = Waiting(
                 seq, queue, link.desc.model, link.desc.version, link.desc.worker_id, deadline
             )
-            if not self._try(item):
+            if seq.num_failovers > MAX_FAILOVERS:
+                self._give_up(item, f"it was on {seq.num_failovers} workers that were lost")
+            elif not self._try(item):
                 log.warning(
                     "sequence waits for a worker",
                     request_id=seq.request_id,
@@ -80,13 +85,17 @@ class Failover:
     def expire(self, now: float) -> None:
         for item in [i for i in self.waiting if i.deadline <= now]:
             self.waiting.remove(item)
-            seq = item.seq
-            seq.error = (
-                f"worker {item.lost_worker} was lost and no other ready worker serves "
-                f"{item.model}:{item.version}; gave up after waiting for one"
+            self._give_up(
+                item,
+                f"no other ready worker serves {item.model}:{item.version}; "
+                "gave up after waiting for one",
             )
-            seq.status, seq.finish = Status.FINISHED, Finish.FAILED
-            item.queue.put_nowait(SeqEvent(seq, (), (), Finish.FAILED))
+
+    def _give_up(self, item: Waiting, why: str) -> None:
+        seq = item.seq
+        seq.error = f"worker {item.lost_worker} was lost and {why}"
+        seq.status, seq.finish = Status.FINISHED, Finish.FAILED
+        item.queue.put_nowait(SeqEvent(seq, (), (), Finish.FAILED))
 
     def _try(self, item: Waiting) -> bool:
         link = self._place(item.model, item.version, item.seq)

@@ -54,6 +54,7 @@ class WorkerPool:
         self._was_ready = False
         self._synced_at: float | None = None  # when the current watch stream began
         self._was_broken = False  # the watch stream broke at least once (registry restart)
+        self._live: dict[str, registry_pb2.WorkerEntry] = {}  # the directory's last word
 
     def serving(self, model: str, version: str) -> list[WorkerLink]:
         """Ready workers of the model (of that version, when given)."""
@@ -106,6 +107,7 @@ class WorkerPool:
 
     async def _apply(self, snapshot: registry_pb2.WorkerList) -> None:
         live = {w.worker_id: w for w in snapshot.workers}
+        self._live = live
         now = time.monotonic()
         self._synced_at = self._synced_at or now
         resyncing = self._was_broken and now - self._synced_at < DIRECTORY_RESYNC_SECONDS
@@ -151,6 +153,20 @@ class WorkerPool:
         await link.run()
         self.links.pop(entry.worker_id, None)
         await self._readiness_changed()
+        if not link.is_draining:
+            self._spawn(self._reconnect(entry))
+
+    async def _reconnect(self, entry: registry_pb2.WorkerEntry) -> None:
+        """Dials a lost worker again while the directory still lists it: its process may
+        have survived what broke the stream (a failed step), or come back on its address."""
+        delay = 0.5
+        while entry.worker_id in self._live and entry.worker_id not in self.links:
+            await asyncio.sleep(delay)
+            live = self._live.get(entry.worker_id)
+            if live is None or entry.worker_id in self.links or live.worker_id in self._connecting:
+                return
+            await self._connect(live)
+            return
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

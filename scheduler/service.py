@@ -93,33 +93,40 @@ class SchedulerService:
         self, params: GenerateParams, trace_context: Context | None = None
     ) -> AsyncIterator[SeqEvent]:
         """Yields the sequence's events until it finishes; cancels it if the caller leaves."""
-        with tracer.start_as_current_span("scheduler.generate", context=trace_context) as span:
+        # A span, not a current-span context: the context must not span the yields.
+        span = tracer.start_span("scheduler.generate", context=trace_context)
+        try:
             link, seq = self._admit(params)
-            seq.deadline = params.deadline
-            seq.traceparent = traceparent_of(span)
-            span.set_attribute("canteen.worker", link.desc.worker_id)
-            queue = link.submit(seq)
-            log.info(
-                "request queued",
-                request_id=params.request_id,
-                worker_id=link.desc.worker_id,
-                num_prompt_tokens=len(params.prompt_ids),
-                max_tokens=params.max_tokens,
-            )
-            try:
-                async for event in self._events(queue, seq, link):
-                    yield event
-            finally:
-                if not seq.is_finished:
-                    self.pool.cancel(seq)
-                    log.info(
-                        "request cancelled",
-                        request_id=params.request_id,
-                        num_output_tokens=len(seq.output_ids),
-                    )
-                self._record_end(link, seq)
-                span.set_attribute("canteen.num_output_tokens", len(seq.output_ids))
-                span.set_attribute("canteen.num_preemptions", seq.num_preemptions)
+        except Exception as exc:
+            span.set_attribute("canteen.error", str(exc))
+            span.end()
+            raise
+        seq.deadline = params.deadline
+        seq.traceparent = traceparent_of(span)
+        span.set_attribute("canteen.worker", link.desc.worker_id)
+        queue = link.submit(seq)
+        log.info(
+            "request queued",
+            request_id=params.request_id,
+            worker_id=link.desc.worker_id,
+            num_prompt_tokens=len(params.prompt_ids),
+            max_tokens=params.max_tokens,
+        )
+        try:
+            async for event in self._events(queue, seq, link):
+                yield event
+        finally:
+            if not seq.is_finished:
+                self.pool.cancel(seq)
+                log.info(
+                    "request cancelled",
+                    request_id=params.request_id,
+                    num_output_tokens=len(seq.output_ids),
+                )
+            self._record_end(link, seq)
+            span.set_attribute("canteen.num_output_tokens", len(seq.output_ids))
+            span.set_attribute("canteen.num_failovers", seq.num_failovers)
+            span.end()
 
     async def _events(
         self, queue: asyncio.Queue[SeqEvent], seq: Sequence, link: WorkerLink

@@ -1,0 +1,190 @@
+"""Chaos for real: greedy load through two gateways while workers are SIGKILLed and restarted,
+a gateway drains and comes back and the scheduler restarts. No request may be lost (each one
+completes with exactly the fault-free tokens or fails retryably with a prefix of them), no KV
+block may leak, and every drained process must exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+
+from canteen.chaos import ChaosConfig, Fault, ShellInjector, parse_faults, run_chaos
+from canteen.chaos.report import Received, classify
+from canteen.cli import main
+from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.support.suite import Service, Suite, wait_serving
+
+WORKER_ARGS = ("--num-kv-blocks", "256", "--block-size", "8", "--threads", "1")
+GATEWAY_ARGS = ("--scheduler-retry", "30")
+
+
+@dataclass
+class SuiteFaults:
+    """The chaos FaultInjector on ``Suite`` processes: SIGKILL, SIGTERM, ``Suite.restart``."""
+
+    suite: Suite
+    registry: Service
+    scheduler: Service
+    workers: dict[str, Service]
+    gateways: dict[str, Service]  # by address
+    exit_codes: dict[str, int] = field(default_factory=dict)  # drained processes
+    killed_running: dict[str, int] = field(default_factory=dict)  # sequences on a victim
+
+    def kill_worker(self, name: str) -> None:
+        with grpc.insecure_channel(self.scheduler.address) as channel:
+            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=5
+            )
+        self.killed_running[name] = sum(w.num_running for w in stats.workers if w.worker_id == name)
+        victim = self.workers[name]
+        victim.process.send_signal(signal.SIGKILL)
+        victim.process.wait(10)
+
+    def restart_worker(self, name: str) -> None:
+        self.workers[name] = self.suite.restart(self.workers[name])
+
+    def drain_gateway(self, address: str) -> None:
+        self.exit_codes[f"gateway {address}"] = self.gateways[address].terminate(60)
+
+    def restart_gateway(self, address: str) -> None:
+        self.gateways[address] = self.suite.restart(self.gateways[address])
+
+    def restart_scheduler(self) -> None:
+        self.exit_codes["scheduler"] = self.scheduler.terminate(60)
+        self.scheduler = self.suite.restart(self.scheduler, wait_ready=False)
+
+    def alive(self) -> list[Service]:
+        return [self.registry, self.scheduler, *self.workers.values(), *self.gateways.values()]
+
+
+@pytest.fixture
+def faults(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SuiteFaults]:
+    s = Suite(tmp_path_factory.mktemp("chaos"))
+    try:
+        registry = s.start_registry(
+            "--no-register-default",
+            "--add-model",
+            f"tiny:v1={tiny_model_dir}",
+            "--default-model",
+            "tiny",
+            "--lease-ttl",
+            "2",
+        )
+        scheduler = s.start_scheduler(registry, "--max-step-stall", "0", "--failover-wait", "20")
+        workers = {
+            name: s.start_worker(registry, "tiny", *WORKER_ARGS, name=name)
+            for name in ("worker-0", "worker-1")
+        }
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
+        gateways = [
+            s.start_gateway(registry, scheduler, *GATEWAY_ARGS, name=f"gateway-{i}")
+            for i in range(2)
+        ]
+        yield SuiteFaults(s, registry, scheduler, workers, {g.address: g for g in gateways})
+    finally:
+        s.stop()
+
+
+@pytest.mark.timeout(400)
+def test_no_request_is_lost_and_no_block_leaks_under_faults(
+    faults: SuiteFaults, tmp_path: Path
+) -> None:
+    drained = next(iter(faults.gateways))
+    schedule = [
+        Fault("kill-worker", "worker-0"),
+        Fault("restart-worker", "worker-0"),
+        Fault("kill-worker", "worker-1"),
+        Fault("restart-worker", "worker-1"),
+        Fault("drain-gateway", drained),
+        Fault("restart-gateway", drained),
+        Fault("restart-scheduler"),
+    ]
+    config = ChaosConfig(
+        gateways=list(faults.gateways),
+        scheduler=faults.scheduler.address,
+        faults=schedule,
+        requests=120,
+        concurrency=8,
+        max_tokens=(16, 32, 48, 64),
+        duration=30.0,
+        request_timeout=90.0,
+    )
+    report = asyncio.run(run_chaos(config, faults))
+    print("\n" + report.format())
+    data = report.to_dict()
+    (tmp_path / "chaos.json").write_text(json.dumps(data, indent=2))
+
+    assert [f.error for f in report.faults] == [""] * len(schedule), report.format()
+    assert data["lost"] == 0, report.format()
+    assert data["completed_exactly"] > data["requests"] // 2
+    assert data["completed_exactly"] + data["failed_retryably"] == data["requests"]
+    assert report.leaks == []
+    assert all(f.in_flight > 0 for f in report.faults), report.format()
+    assert sum(faults.killed_running.values()) > 0, faults.killed_running
+    assert faults.exit_codes == {f"gateway {drained}": 0, "scheduler": 0}
+    dead = [svc.name for svc in faults.alive() if svc.process.poll() is not None]
+    assert dead == []
+
+
+# The judging and the CLI's plumbing, without a suite.
+
+REF = [5, 6, 7, 8]
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize(
+    ("got", "result"),
+    [
+        (Received(tokens=REF, finish=LENGTH), "exact"),
+        (Received(tokens=REF[:2], code="UNAVAILABLE"), "retryable"),
+        (Received(tokens=[], code="RESOURCE_EXHAUSTED"), "retryable"),
+        (Received(tokens=[5, 6, 6], code="UNAVAILABLE"), "lost"),  # a repeated token
+        (Received(tokens=[5, 9, 7, 8], finish=LENGTH), "lost"),
+        (Received(tokens=REF[:3], finish=LENGTH), "lost"),  # missing a token
+        (Received(tokens=REF), "lost"),  # no finish_reason
+        (Received(tokens=REF[:1], code="INTERNAL"), "lost"),
+        (Received(tokens=REF[:1], code="DEADLINE_EXCEEDED"), "lost"),
+        (Received(tokens=REF, finish=LENGTH, foreign_id="req-x"), "lost"),
+    ],
+)
+def test_classify(got: Received, result: str) -> None:
+    assert classify(REF, got, ("UNAVAILABLE", "RESOURCE_EXHAUSTED"))[0] == result
+
+
+def test_parse_faults_and_shell_commands(tmp_path: Path) -> None:
+    assert parse_faults("kill-worker:w0, drain-gateway:127.0.0.1:1,restart-scheduler") == [
+        Fault("kill-worker", "w0"),
+        Fault("drain-gateway", "127.0.0.1:1"),
+        Fault("restart-scheduler"),
+    ]
+    for bad in ("explode:w0", "kill-worker"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"kinds are|use kill-worker:TARGET"):
+            parse_faults(bad)
+    out = tmp_path / "out"
+    shell = ShellInjector({"kill-worker": f"echo {{target}} $CHAOS_TARGET > {out}"})
+    shell.kill_worker("it's")
+    assert out.read_text() == "it's it's\n"
+    with pytest.raises(RuntimeError, match="exited 3"):
+        ShellInjector({"restart-scheduler": "exit 3"}).restart_scheduler()
+
+
+ON_SCHED = "restart-scheduler=true"
+
+
+def test_cli_refuses_a_fault_without_its_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chaos", "--faults", "kill-worker:w0", "--on", "restart-worker=true"])
+    assert exit_info.value.code == 2
+    assert "no --on command for kill-worker" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["chaos", "--requests", "10", "--faults", "restart-scheduler", "--on", ON_SCHED])
+    assert exit_info.value.code == 2
+    assert "too few" in capsys.readouterr().err
