@@ -59,6 +59,9 @@ bench: install
 	$(PY) bench/throughput.py
 	$(PY) bench/http_vs_grpc.py
 	$(PY) bench/kv.py
+	$(PY) bench/tracing.py
+	$(PY) bench/failover.py
+	$(PY) bench/overload.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -176,3 +176,22 @@ def test_a_registry_restart_keeps_every_model_and_workers_come_back(stack: Stack
         )
     assert [w.worker_id for w in stats.workers if w.is_ready] == ["worker"]
     assert len(_reference(stack.gateway, "registry is back", 5)) == 5
+
+
+def test_registry_sigterm_under_load_exits_0_and_streams_go_on(stack: Stack) -> None:
+    prompt = "The registry steps away"
+    expected = _reference(stack.gateway, prompt, 300)
+    stream = Stream(stack.gateway, prompt, 300)
+    stream.start()
+    _until(lambda: len(stream.tokens) >= 4, 60, "tokens to flow")
+    stack.registry.process.send_signal(signal.SIGTERM)
+    assert stack.registry.process.wait(30) == 0
+    stream.join(60)
+    assert stream.error is None, stream.error
+    assert stream.tokens == expected
+    stack.registry = stack.suite.restart(stack.registry)
+    with grpc.insecure_channel(stack.registry.address) as channel:
+        listed = registry_pb2_grpc.RegistryStub(channel).ListModels(
+            registry_pb2.ListModelsRegistryRequest(), timeout=5
+        )
+    assert ("tiny", "v1") in {(m.name, m.version) for m in listed.models}
