@@ -119,16 +119,23 @@ class WorkerPool:
             if worker_id not in self.links and worker_id not in self._connecting:
                 self._spawn(self._connect(entry))
 
-    async def _connect(self, entry: registry_pb2.WorkerEntry) -> None:
+    async def _connect(self, entry: registry_pb2.WorkerEntry, patient: bool = True) -> None:
+        """Dials a worker and runs its link until it ends. ``patient`` waits up to 10 s for
+        a worker that is still starting; a re-dial after a loss fails fast instead, so a dead
+        address never blocks the worker's restart under the same id."""
         self._connecting.add(entry.worker_id)
         channel = grpc.aio.insecure_channel(entry.address)
         try:
             info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(
-                worker_pb2.GetInfoRequest(), timeout=10, wait_for_ready=True
+                worker_pb2.GetInfoRequest(), timeout=10 if patient else 2, wait_for_ready=patient
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("worker unreachable", worker_id=entry.worker_id, code=exc.code().name)
             await channel.close()
+            self._connecting.discard(entry.worker_id)
+            moved = self._live.get(entry.worker_id)
+            if moved is not None and moved.address != entry.address:
+                self._spawn(self._connect(moved))  # it re-registered elsewhere meanwhile
             return
         finally:
             self._connecting.discard(entry.worker_id)
@@ -165,7 +172,7 @@ class WorkerPool:
             live = self._live.get(entry.worker_id)
             if live is None or entry.worker_id in self.links or live.worker_id in self._connecting:
                 return
-            await self._connect(live)
+            await self._connect(live, patient=False)
             return
 
     def _spawn(self, coro: Awaitable[None]) -> None:

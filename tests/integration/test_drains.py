@@ -15,7 +15,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.support.streams import Stream, generate, until
 from tests.support.suite import Service, Suite, wait_serving
 
 ARGS = ("--block-size", "8", "--threads", "1")
@@ -43,13 +44,7 @@ class Stack:
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Suite(tmp_path_factory.mktemp("drains"))
     try:
-        registry = s.start_registry(
-            "--no-register-default",
-            "--add-model",
-            f"tiny:v1={tiny_model_dir}",
-            "--default-model",
-            "tiny",
-        )
+        registry = s.start_tiny_registry(tiny_model_dir)
         scheduler = s.start_scheduler(registry, "--max-step-stall", "0", "--max-queue", "6")
         a = s.start_worker(registry, "tiny", "--num-kv-blocks", str(BIG), *ARGS, name="worker-a")
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
@@ -59,65 +54,29 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         s.stop()
 
 
-class Stream(threading.Thread):
-    def __init__(self, address: str, prompt: str, max_tokens: int, timeout: float = 120) -> None:
-        super().__init__(daemon=True)
-        self.request = inference_pb2.GenerateRequest(
-            prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
-        self.address, self.timeout = address, timeout
-        self.tokens: list[int] = []
-        self.error: grpc.RpcError | None = None
-
-    def run(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            try:
-                for msg in stub.Generate(self.request, timeout=self.timeout):
-                    self.tokens.extend(msg.token_ids)
-            except grpc.RpcError as exc:
-                self.error = exc
-
-
-def _run(address: str, prompt: str, max_tokens: int) -> Stream:
-    stream = Stream(address, prompt, max_tokens)
-    stream.run()
-    return stream
-
-
-def _until(condition: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_rolling_worker_restart_under_load_loses_nothing(stack: Stack) -> None:
     b = stack.suite.start_worker(
         stack.registry, "tiny", "--num-kv-blocks", str(SMALL), *ARGS, name="worker-b"
     )
     stack.workers["worker-b"] = b
-    _until(lambda: "worker-b" in stack.stats(), 30, "worker-b to connect")
+    until(lambda: "worker-b" in stack.stats(), 30, "worker-b to connect")
     prompts = [f"Rolling restart story {i}" for i in range(4)]
     streams = [Stream(stack.gateway.address, p, LONG) for p in prompts]
     for s in streams:
         s.start()
-    _until(lambda: all(len(s.tokens) >= 4 for s in streams), 60, "the streams to start")
+    until(lambda: all(len(s.tokens) >= 4 for s in streams), 60, "the streams to start")
     assert stack.stats()["worker-a"].num_running == 4
     a = stack.workers.pop("worker-a")
     a.process.send_signal(signal.SIGTERM)
     # While worker-a drains, new work goes to worker-b.
-    fresh = _run(stack.gateway.address, "new work during the drain", 16)
-    assert fresh.error is None and len(fresh.tokens) == 16
+    assert len(generate(stack.gateway.address, "new work during the drain", 16)) == 16
     for s in streams:
         s.join(120)
     assert a.process.wait(60) == 0
     assert "drain" in a.log() or "stopped" in a.log()
     for s, prompt in zip(streams, prompts, strict=True):
         assert s.error is None, s.error
-        assert s.tokens == _run(stack.gateway.address, prompt, LONG).tokens  # on worker-b now
+        assert s.tokens == generate(stack.gateway.address, prompt, LONG)  # on worker-b now
     assert set(stack.stats()) == {"worker-b"}
 
 
@@ -125,10 +84,10 @@ def test_scheduler_sigterm_finishes_streams_and_new_work_waits_for_the_next(
     stack: Stack,
 ) -> None:
     prompt = "The scheduler drains"
-    expected = _run(stack.gateway.address, prompt, 300).tokens
+    expected = generate(stack.gateway.address, prompt, 300)
     stream = Stream(stack.gateway.address, prompt, 300)
     stream.start()
-    _until(lambda: len(stream.tokens) >= 4, 60, "tokens to flow")
+    until(lambda: len(stream.tokens) >= 4, 60, "tokens to flow")
     old = stack.scheduler
     old.process.send_signal(signal.SIGTERM)
     late = Stream(stack.gateway.address, prompt, 300)
@@ -162,7 +121,7 @@ def test_gateway_sigterm_finishes_an_sse_stream_and_refuses_new_http_work(
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    _until(lambda: len(lines) >= 4, 60, "SSE chunks")
+    until(lambda: len(lines) >= 4, 60, "SSE chunks")
     gateway.process.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     refused = httpx.post(url, json=body, timeout=10)
@@ -187,7 +146,7 @@ def test_an_expired_deadline_frees_the_request_within_a_step(stack: Stack) -> No
             for w in stack.stats().values()
         )
 
-    _until(all_free, 5, "every block to be free")
+    until(all_free, 5, "every block to be free")
 
 
 def test_a_flood_is_shed_at_the_queue_and_health_keeps_answering(stack: Stack) -> None:

@@ -5,7 +5,6 @@ and a restarted registry keeps every model while workers re-register on their ow
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,13 +15,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from canteen.v1 import (
-    inference_pb2,
-    inference_pb2_grpc,
     registry_pb2,
     registry_pb2_grpc,
     scheduler_pb2,
     scheduler_pb2_grpc,
 )
+from tests.support.streams import Stream, generate, until
 from tests.support.suite import Service, Suite, wait_serving
 
 WORKER_ARGS = ("--num-kv-blocks", "128", "--block-size", "8", "--threads", "1")
@@ -42,15 +40,7 @@ class Stack:
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Suite(tmp_path_factory.mktemp("restarts"))
     try:
-        registry = s.start_registry(
-            "--no-register-default",
-            "--add-model",
-            f"tiny:v1={tiny_model_dir}",
-            "--default-model",
-            "tiny",
-            "--lease-ttl",
-            "3",
-        )
+        registry = s.start_tiny_registry(tiny_model_dir, "--lease-ttl", "3")
         scheduler = s.start_scheduler(registry, "--max-step-stall", "0")
         worker = s.start_worker(registry, "tiny", *WORKER_ARGS)
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
@@ -58,34 +48,6 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield Stack(s, registry, scheduler, worker, gateway, tiny_model_dir)
     finally:
         s.stop()
-
-
-class Stream(threading.Thread):
-    def __init__(self, gateway: Service, prompt: str, max_tokens: int) -> None:
-        super().__init__(daemon=True)
-        self.request = inference_pb2.GenerateRequest(
-            prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
-        )
-        self.address = gateway.address
-        self.tokens: list[int] = []
-        self.error: grpc.RpcError | None = None
-
-    def run(self) -> None:
-        with grpc.insecure_channel(self.address) as channel:
-            try:
-                for msg in inference_pb2_grpc.InferenceStub(channel).Generate(
-                    self.request, timeout=120
-                ):
-                    self.tokens.extend(msg.token_ids)
-            except grpc.RpcError as exc:
-                self.error = exc
-
-
-def _reference(gateway: Service, prompt: str, max_tokens: int) -> list[int]:
-    ref = Stream(gateway, prompt, max_tokens)
-    ref.run()
-    assert ref.error is None, ref.error
-    return ref.tokens
 
 
 def _serving(address: str, service: str) -> bool:
@@ -99,15 +61,6 @@ def _serving(address: str, service: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _until(condition: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _kill(svc: Service) -> None:
     svc.process.send_signal(signal.SIGKILL)
     svc.process.wait(10)
@@ -115,10 +68,10 @@ def _kill(svc: Service) -> None:
 
 def test_a_request_sent_while_the_scheduler_is_down_waits_and_succeeds(stack: Stack) -> None:
     prompt = "Restart me gently"
-    expected = _reference(stack.gateway, prompt, 24)
+    expected = generate(stack.gateway.address, prompt, 24)
     _kill(stack.scheduler)
-    _until(lambda: not _serving(stack.gateway.address, "canteen.v1.Inference"), 10, "NOT_SERVING")
-    stream = Stream(stack.gateway, prompt, 24)
+    until(lambda: not _serving(stack.gateway.address, "canteen.v1.Inference"), 10, "NOT_SERVING")
+    stream = Stream(stack.gateway.address, prompt, 24)
     stream.start()
     time.sleep(1.0)
     assert stream.is_alive() and stream.error is None  # waiting for a scheduler, not failed
@@ -126,15 +79,15 @@ def test_a_request_sent_while_the_scheduler_is_down_waits_and_succeeds(stack: St
     stream.join(60)
     assert stream.error is None, stream.error
     assert stream.tokens == expected
-    _until(lambda: _serving(stack.gateway.address, "canteen.v1.Inference"), 30, "SERVING again")
+    until(lambda: _serving(stack.gateway.address, "canteen.v1.Inference"), 30, "SERVING again")
 
 
 def test_a_stream_with_tokens_ends_unavailable_and_repeats_nothing(stack: Stack) -> None:
     prompt = "A long tale that the scheduler will not see the end of"
-    expected = _reference(stack.gateway, prompt, 600)
-    stream = Stream(stack.gateway, prompt, 600)
+    expected = generate(stack.gateway.address, prompt, 600)
+    stream = Stream(stack.gateway.address, prompt, 600)
     stream.start()
-    _until(lambda: len(stream.tokens) >= 8, 60, "tokens to flow")
+    until(lambda: len(stream.tokens) >= 8, 60, "tokens to flow")
     _kill(stack.scheduler)
     stream.join(60)
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.UNAVAILABLE
@@ -142,7 +95,7 @@ def test_a_stream_with_tokens_ends_unavailable_and_repeats_nothing(stack: Stack)
     assert stream.tokens == expected[: len(stream.tokens)]  # a prefix: nothing repeated
     stack.scheduler = stack.suite.restart(stack.scheduler, wait_ready=False)
     wait_serving(stack.scheduler.address, "canteen.v1.Scheduler", 60)
-    assert _reference(stack.gateway, prompt, 600) == expected
+    assert generate(stack.gateway.address, prompt, 600) == expected
 
 
 def test_a_registry_restart_keeps_every_model_and_workers_come_back(stack: Stack) -> None:
@@ -157,7 +110,7 @@ def test_a_registry_restart_keeps_every_model_and_workers_come_back(stack: Stack
         )
     _kill(stack.registry)
     # The data path does not need the registry: requests go on while it is down.
-    assert len(_reference(stack.gateway, "no registry", 5)) == 5
+    assert len(generate(stack.gateway.address, "no registry", 5)) == 5
     stack.registry = stack.suite.restart(stack.registry)
     with grpc.insecure_channel(stack.registry.address) as channel:
         stub = registry_pb2_grpc.RegistryStub(channel)
@@ -168,22 +121,22 @@ def test_a_registry_restart_keeps_every_model_and_workers_come_back(stack: Stack
             workers = stub.WatchWorkers(registry_pb2.WatchWorkersRequest(), timeout=2)
             return any(w.worker_id == "worker" for w in next(iter(workers)).workers)
 
-        _until(worker_registered, 20, "the worker to re-register")
+        until(worker_registered, 20, "the worker to re-register")
     # The scheduler kept its link through the registry's absence.
     with grpc.insecure_channel(stack.scheduler.address) as channel:
         stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
             scheduler_pb2.GetStatsRequest(), timeout=5
         )
     assert [w.worker_id for w in stats.workers if w.is_ready] == ["worker"]
-    assert len(_reference(stack.gateway, "registry is back", 5)) == 5
+    assert len(generate(stack.gateway.address, "registry is back", 5)) == 5
 
 
 def test_registry_sigterm_under_load_exits_0_and_streams_go_on(stack: Stack) -> None:
     prompt = "The registry steps away"
-    expected = _reference(stack.gateway, prompt, 300)
-    stream = Stream(stack.gateway, prompt, 300)
+    expected = generate(stack.gateway.address, prompt, 300)
+    stream = Stream(stack.gateway.address, prompt, 300)
     stream.start()
-    _until(lambda: len(stream.tokens) >= 4, 60, "tokens to flow")
+    until(lambda: len(stream.tokens) >= 4, 60, "tokens to flow")
     stack.registry.process.send_signal(signal.SIGTERM)
     assert stack.registry.process.wait(30) == 0
     stream.join(60)

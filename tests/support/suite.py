@@ -147,6 +147,17 @@ class Suite:
         db = str(self.workdir / "registry.db")
         return self.spawn("registry", "registry", ["--db", db, *args], "canteen.v1.Registry")
 
+    def start_tiny_registry(self, model_dir: Path, *args: str) -> Service:
+        """A registry serving only the tiny test model, as ``tiny:v1``, the default."""
+        return self.start_registry(
+            "--no-register-default",
+            "--add-model",
+            f"tiny:v1={model_dir}",
+            "--default-model",
+            "tiny",
+            *args,
+        )
+
     def start_scheduler(self, registry: Service, *args: str) -> Service:
         """Waits for liveness only: readiness needs a worker."""
         return self.spawn(
