@@ -60,6 +60,12 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.scheduled)
 
+    @property
+    def kind(self) -> str:
+        """``prefill`` when the step computes any prompt tokens, else ``decode`` (metrics)."""
+        has_prefill = self.num_tokens > len(self.scheduled) or bool(self.new_sequences)
+        return "prefill" if has_prefill else "decode"
+
 
 @dataclass(frozen=True)
 class SampledToken:

@@ -46,10 +46,7 @@ class SchedulerMetrics:
     def observe_step(self, desc: WorkerDescription, plan: StepPlan, seconds: float) -> None:
         if not plan.scheduled:
             return  # a drop-only message computes nothing
-        kind = (
-            "prefill" if plan.num_tokens > len(plan.scheduled) or plan.new_sequences else "decode"
-        )
-        self.step_duration.labels(desc.model, desc.version, kind).observe(seconds)
+        self.step_duration.labels(desc.model, desc.version, plan.kind).observe(seconds)
 
     def observe_queue(self, model: str, version: str, seconds: float) -> None:
         self.queue_time.labels(model, version).observe(seconds)

@@ -48,9 +48,7 @@ class WorkerMetrics:
         self.sequences.labels(*self._labels).set(num_sequences)
         if not plan.scheduled:
             return
-        has_prefill = plan.num_tokens > len(plan.scheduled) or bool(plan.new_sequences)
-        kind = "prefill" if has_prefill else "decode"
-        self.step_duration.labels(*self._labels, kind).observe(result.total_ns / 1e9)
+        self.step_duration.labels(*self._labels, plan.kind).observe(result.total_ns / 1e9)
         self.steps.labels(*self._labels).inc()
 
 
