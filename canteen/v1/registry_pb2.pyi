@@ -98,7 +98,9 @@ class AddModelRequest(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def model(self) -> Global___ModelRecord:
-        """The record; sha256 and max_model_len are computed when empty."""
+        """The record. sha256 is computed by the registry; when given, it must equal that value.
+        max_model_len is read from the weights when 0.
+        """
 
     def __init__(
         self,
@@ -112,6 +114,49 @@ class AddModelRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AddModelRequest: _TypeAlias = AddModelRequest  # noqa: Y015
+
+@_typing.final
+class DeleteModelRequest(_message.Message):
+    """Names a model version to remove."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Model name."""
+    version: _builtins.str
+    """Version to remove (required)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteModelRequest: _TypeAlias = DeleteModelRequest  # noqa: Y015
+
+@_typing.final
+class DeleteModelResponse(_message.Message):
+    """The model version is gone."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteModelResponse: _TypeAlias = DeleteModelResponse  # noqa: Y015
 
 @_typing.final
 class GetModelRequest(_message.Message):

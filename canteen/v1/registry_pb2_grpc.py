@@ -40,6 +40,11 @@ class RegistryStub:
                 request_serializer=canteen_dot_v1_dot_registry__pb2.AddModelRequest.SerializeToString,
                 response_deserializer=canteen_dot_v1_dot_registry__pb2.ModelRecord.FromString,
                 _registered_method=True)
+        self.DeleteModel = channel.unary_unary(
+                '/canteen.v1.Registry/DeleteModel',
+                request_serializer=canteen_dot_v1_dot_registry__pb2.DeleteModelRequest.SerializeToString,
+                response_deserializer=canteen_dot_v1_dot_registry__pb2.DeleteModelResponse.FromString,
+                _registered_method=True)
         self.GetModel = channel.unary_unary(
                 '/canteen.v1.Registry/GetModel',
                 request_serializer=canteen_dot_v1_dot_registry__pb2.GetModelRequest.SerializeToString,
@@ -92,7 +97,15 @@ class RegistryServicer:
     """
 
     def AddModel(self, request, context):
-        """Adds a model version.
+        """Adds a model version (admin key). The path must lie under the registry's model roots; the
+        registry computes the sha256 itself.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteModel(self, request, context):
+        """Removes a model version (admin key); refused while an alias names it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +182,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     request_deserializer=canteen_dot_v1_dot_registry__pb2.AddModelRequest.FromString,
                     response_serializer=canteen_dot_v1_dot_registry__pb2.ModelRecord.SerializeToString,
             ),
+            'DeleteModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteModel,
+                    request_deserializer=canteen_dot_v1_dot_registry__pb2.DeleteModelRequest.FromString,
+                    response_serializer=canteen_dot_v1_dot_registry__pb2.DeleteModelResponse.SerializeToString,
+            ),
             'GetModel': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModel,
                     request_deserializer=canteen_dot_v1_dot_registry__pb2.GetModelRequest.FromString,
@@ -243,6 +261,33 @@ class Registry:
             '/canteen.v1.Registry/AddModel',
             canteen_dot_v1_dot_registry__pb2.AddModelRequest.SerializeToString,
             canteen_dot_v1_dot_registry__pb2.ModelRecord.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/canteen.v1.Registry/DeleteModel',
+            canteen_dot_v1_dot_registry__pb2.DeleteModelRequest.SerializeToString,
+            canteen_dot_v1_dot_registry__pb2.DeleteModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

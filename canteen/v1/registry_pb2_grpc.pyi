@@ -34,7 +34,11 @@ class RegistryStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RegistryAsyncStub: ...
     AddModel: _grpc.UnaryUnaryMultiCallable[_registry_pb2.AddModelRequest, _registry_pb2.ModelRecord]
-    """Adds a model version."""
+    """Adds a model version (admin key). The path must lie under the registry's model roots; the
+    registry computes the sha256 itself.
+    """
+    DeleteModel: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeleteModelRequest, _registry_pb2.DeleteModelResponse]
+    """Removes a model version (admin key); refused while an alias names it."""
     GetModel: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetModelRequest, _registry_pb2.ModelRecord]
     """Returns one model version; an empty version means the model's latest."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListModelsRegistryRequest, _registry_pb2.ListModelsRegistryResponse]
@@ -60,7 +64,11 @@ class RegistryAsyncStub(RegistryStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     AddModel: _aio.UnaryUnaryMultiCallable[_registry_pb2.AddModelRequest, _registry_pb2.ModelRecord]  # type: ignore[assignment]
-    """Adds a model version."""
+    """Adds a model version (admin key). The path must lie under the registry's model roots; the
+    registry computes the sha256 itself.
+    """
+    DeleteModel: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeleteModelRequest, _registry_pb2.DeleteModelResponse]  # type: ignore[assignment]
+    """Removes a model version (admin key); refused while an alias names it."""
     GetModel: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetModelRequest, _registry_pb2.ModelRecord]  # type: ignore[assignment]
     """Returns one model version; an empty version means the model's latest."""
     ListModels: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListModelsRegistryRequest, _registry_pb2.ListModelsRegistryResponse]  # type: ignore[assignment]
@@ -89,7 +97,17 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.AddModelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.ModelRecord, _abc.Awaitable[_registry_pb2.ModelRecord]]:
-        """Adds a model version."""
+        """Adds a model version (admin key). The path must lie under the registry's model roots; the
+        registry computes the sha256 itself.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteModel(
+        self,
+        request: _registry_pb2.DeleteModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.DeleteModelResponse, _abc.Awaitable[_registry_pb2.DeleteModelResponse]]:
+        """Removes a model version (admin key); refused while an alias names it."""
 
     @_abc_1.abstractmethod
     def GetModel(

@@ -34,8 +34,11 @@ class ScheduleRequest(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Request id, used as the sequence id on the worker and in logs."""
+    """The client's request label (x-request-id): logged and echoed, never used as a key. The
+    scheduler makes its own unique sequence id for every request.
+    """
     model: _builtins.str
     """Model name."""
     version: _builtins.str
@@ -46,6 +49,10 @@ class ScheduleRequest(_message.Message):
     """Do not stop at the model's end-of-sequence tokens."""
     priority: _builtins.int
     """Higher runs first when the service is busy."""
+    cache_salt: _builtins.str
+    """Salt of the prefix cache's block hashes: requests with different salts never share
+    cached blocks (the gateway sets it per API key with --cache-isolation key). Empty: shared.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids."""
@@ -70,10 +77,11 @@ class ScheduleRequest(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
         priority: _builtins.int = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -243,8 +251,9 @@ class RunningSequence(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     IS_DECODING_FIELD_NUMBER: _builtins.int
+    SEQ_ID_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Request id."""
+    """The client's request label."""
     num_prompt_tokens: _builtins.int
     """Prompt tokens."""
     num_output_tokens: _builtins.int
@@ -253,6 +262,8 @@ class RunningSequence(_message.Message):
     """KV blocks it holds."""
     is_decoding: _builtins.bool
     """Whether it is past its prompt (generating one token per step)."""
+    seq_id: _builtins.str
+    """The scheduler's own sequence id (unique)."""
     def __init__(
         self,
         *,
@@ -261,10 +272,11 @@ class RunningSequence(_message.Message):
         num_output_tokens: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         is_decoding: _builtins.bool = ...,
+        seq_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_decoding", b"is_decoding", "num_blocks", b"num_blocks", "num_output_tokens", b"num_output_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_decoding", b"is_decoding", "num_blocks", b"num_blocks", "num_output_tokens", b"num_output_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "seq_id", b"seq_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,6 +55,10 @@ class WorkerInfo(_message.Message):
     KV_CACHE_BYTES_FIELD_NUMBER: _builtins.int
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
     PEAK_BYTES_BEFORE_KV_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    DTYPE_REASON_FIELD_NUMBER: _builtins.int
+    QUANTIZATION_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id, unique per process."""
     model: _builtins.str
@@ -79,6 +83,14 @@ class WorkerInfo(_message.Message):
     """Memory the worker stays under: device memory on CUDA, resident set on CPU."""
     peak_bytes_before_kv: _builtins.int
     """What the weights and the warm-up at the largest step took."""
+    vocab_size: _builtins.int
+    """Size of the model's vocabulary: every token id must be below it."""
+    dtype: _builtins.str
+    """Number format of the weights and activations ("float32", "bfloat16", "float16")."""
+    dtype_reason: _builtins.str
+    """Why the worker chose that dtype (e.g. "--dtype auto: the CPU has AVX512-BF16")."""
+    quantization: _builtins.str
+    """Weight-only quantization of the linear layers ("none", "int8", "int4")."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model."""
@@ -99,10 +111,14 @@ class WorkerInfo(_message.Message):
         kv_cache_bytes: _builtins.int = ...,
         memory_budget_bytes: _builtins.int = ...,
         peak_bytes_before_kv: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        dtype_reason: _builtins.str = ...,
+        quantization: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "peak_bytes_before_kv", b"peak_bytes_before_kv", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -121,7 +137,9 @@ class NewSequence(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
-    """Sequence id (the request id)."""
+    """Sequence id, made by the scheduler and unique within the Run stream (never a client's
+    label).
+    """
     num_cached_tokens: _builtins.int
     """Leading tokens whose KV is already in those blocks."""
     traceparent: _builtins.str
@@ -307,6 +325,7 @@ class StepResult(_message.Message):
     TOKENS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
+    FAILED_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The plan's step id."""
     num_tokens: _builtins.int
@@ -319,6 +338,12 @@ class StepResult(_message.Message):
     def timings(self) -> Global___StepTimings:
         """Timings."""
 
+    @_builtins.property
+    def failed(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceFailure]:
+        """Sequences of the plan that the worker refused (an entry it could not apply): each is
+        dropped by the worker and fails alone; the rest of the step ran.
+        """
+
     def __init__(
         self,
         *,
@@ -326,11 +351,38 @@ class StepResult(_message.Message):
         tokens: _abc.Iterable[Global___SampledToken] | None = ...,
         num_tokens: _builtins.int = ...,
         timings: Global___StepTimings | None = ...,
+        failed: _abc.Iterable[Global___SequenceFailure] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "num_tokens", b"num_tokens", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepResult: _TypeAlias = StepResult  # noqa: Y015
+
+@_typing.final
+class SequenceFailure(_message.Message):
+    """A sequence the worker could not run, and why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    seq_id: _builtins.str
+    """Sequence id."""
+    error: _builtins.str
+    """What was wrong with its part of the plan."""
+    def __init__(
+        self,
+        *,
+        seq_id: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "seq_id", b"seq_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SequenceFailure: _TypeAlias = SequenceFailure  # noqa: Y015
