@@ -9,10 +9,13 @@ import sys
 
 import grpc
 
+from canteen import certs
 from canteen.bench import cli as bench_cli
 from canteen.chaos import cli as chaos_cli
 from canteen.launcher import Launcher, SuiteLayout
+from canteen.local import add_client_flags, admin_metadata, client_tls
 from canteen.models import MAX_ALIAS_WEIGHT
+from canteen.tls import aio_channel
 from canteen.v1 import (
     common_pb2,
     inference_pb2,
@@ -37,6 +40,8 @@ def _up(args: argparse.Namespace) -> int:
         host=args.host,
         http_port=args.http_port,
         otlp_endpoint=args.otlp_endpoint,
+        insecure=args.insecure,
+        model_roots=tuple(args.model_root),
     )
     return asyncio.run(Launcher(layout).run(ready_timeout=args.ready_timeout))
 
@@ -114,8 +119,11 @@ async def _list_models(stub: registry_pb2_grpc.RegistryStub) -> None:
 
 
 async def _alias(stub: registry_pb2_grpc.RegistryStub, args: argparse.Namespace) -> None:
+    admin = admin_metadata(args)
     if args.delete:
-        await stub.DeleteAlias(registry_pb2.DeleteAliasRequest(name=args.name), timeout=10)
+        await stub.DeleteAlias(
+            registry_pb2.DeleteAliasRequest(name=args.name), timeout=10, metadata=admin
+        )
         print(f"deleted alias {args.name}")
         return
     alias = registry_pb2.Alias(
@@ -123,20 +131,34 @@ async def _alias(stub: registry_pb2_grpc.RegistryStub, args: argparse.Namespace)
         model=args.model or args.name,
         targets=[registry_pb2.AliasTarget(version=v, weight=w) for v, w in args.to],
     )
-    stored = await stub.SetAlias(registry_pb2.SetAliasRequest(alias=alias), timeout=10)
+    stored = await stub.SetAlias(
+        registry_pb2.SetAliasRequest(alias=alias), timeout=10, metadata=admin
+    )
     print(format_alias(stored))
 
 
 async def _models(args: argparse.Namespace) -> int:
-    async with grpc.aio.insecure_channel(args.registry) as channel:
+    async with aio_channel(args.registry, client_tls(args), "registry") as channel:
         stub = registry_pb2_grpc.RegistryStub(channel)
         try:
             if args.models_command == "add":
                 record = registry_pb2.ModelRecord(
                     name=args.name, version=args.version, path=os.path.abspath(args.path)
                 )
-                added = await stub.AddModel(registry_pb2.AddModelRequest(model=record), timeout=120)
+                added = await stub.AddModel(
+                    registry_pb2.AddModelRequest(model=record),
+                    timeout=120,
+                    metadata=admin_metadata(args),
+                )
                 print(f"added {added.name}:{added.version} sha256={added.sha256}")
+            elif args.models_command == "delete":
+                name, _, version = args.ref.partition(":")
+                await stub.DeleteModel(
+                    registry_pb2.DeleteModelRequest(name=name, version=version),
+                    timeout=10,
+                    metadata=admin_metadata(args),
+                )
+                print(f"deleted {args.ref}")
             elif args.models_command == "alias":
                 await _alias(stub, args)
             else:
@@ -150,11 +172,14 @@ async def _models(args: argparse.Namespace) -> int:
 def _add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     models = sub.add_parser("models", help="manage model records and aliases in the registry")
     models.add_argument("--registry", default=os.environ.get("CANTEEN_REGISTRY", "127.0.0.1:50053"))
+    add_client_flags(models, admin=True)
     msub = models.add_subparsers(dest="models_command", required=True)
     add = msub.add_parser("add", help="register a model version")
     add.add_argument("path")
     add.add_argument("--name", required=True)
     add.add_argument("--version", required=True)
+    delete = msub.add_parser("delete", help="remove a model version")
+    delete.add_argument("ref", metavar="NAME:VERSION")
     msub.add_parser("list", help="list model versions and aliases")
     alias = msub.add_parser(
         "alias",
@@ -210,6 +235,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra flag for every worker, e.g. --worker-arg=--num-kv-blocks=64",
     )
     up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext internal links (default: mutual TLS with a CA made at start)",
+    )
+    up.add_argument(
+        "--model-root",
+        action="append",
+        default=[],
+        help="folder `canteen models add` may register from (repeatable; default: your home)",
+    )
+    up.add_argument(
         "--ready-timeout",
         type=float,
         default=600.0,
@@ -229,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--api-key", default="")
     gen.add_argument("--timeout", type=float, default=None)
 
+    cert_parser = sub.add_parser(
+        "certs", help="make a throwaway CA and per-role certificates", add_help=False
+    )
+    cert_parser.add_argument("rest", nargs=argparse.REMAINDER)
     _add_models_parser(sub)
     bench_cli.add_parsers(sub)
     chaos_cli.add_parser(sub)
@@ -236,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["certs"]:  # its own parser, flags and --help included
+        certs.main(argv[1:])
+        sys.exit(0)
     args = build_parser().parse_args(argv)
     if args.command == "up":
         sys.exit(_up(args))

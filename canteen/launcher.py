@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from canteen.certs import make_suite_certs
+from canteen.local import admin_key_file, certs_dir, data_dir, ensure_admin_key
+from canteen.tls import Tls, aio_channel
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,8 @@ class SuiteLayout:
     host: str = "127.0.0.1"
     http_port: int = 8080  # the gateway's OpenAI-compatible HTTP API; -1: off
     otlp_endpoint: str = ""  # traces of gateway, scheduler and workers go here when set
+    insecure: bool = False  # plaintext internal links; else mTLS with certs made at start
+    model_roots: tuple[str, ...] = ()  # folders `canteen models add` may register from
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_workers <= 64:
@@ -67,10 +74,36 @@ class Child:
     service: str
     process: asyncio.subprocess.Process | None = None
 
+    @property
+    def role(self) -> str:
+        """Its certificate's role (canteen/certs.py)."""
+        return "worker" if self.name.startswith("worker-") else self.name
+
 
 def default_db() -> str:
-    root = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "canteen"
-    return str(root / "registry.db")
+    return str(data_dir() / "registry.db")
+
+
+def security_args(layout: SuiteLayout, child: Child) -> list[str]:
+    """mTLS flags for a child (its role's certificate), or --insecure; the registry's
+    admin key and model roots."""
+    extra: list[str] = []
+    if child.name == "registry":
+        extra += ["--admin-keys-file", str(admin_key_file())]
+        roots = layout.model_roots or (str(Path.home()),)
+        extra += ["--model-root", ",".join(roots)]
+    if layout.insecure:
+        return [*extra, "--insecure"]
+    folder = certs_dir()
+    return [
+        *extra,
+        "--tls-cert",
+        str(folder / f"{child.role}.pem"),
+        "--tls-key",
+        str(folder / f"{child.role}.key"),
+        "--tls-ca",
+        str(folder / "ca.pem"),
+    ]
 
 
 def plan_children(layout: SuiteLayout) -> list[Child]:
@@ -141,14 +174,15 @@ def plan_children(layout: SuiteLayout) -> list[Child]:
     )
     for child in children:
         child.argv += ["--metrics-port", str(layout.metrics_port(child.name))]
+        child.argv += security_args(layout, child)
         if layout.otlp_endpoint and child.name != "registry":
             child.argv += ["--otlp-endpoint", layout.otlp_endpoint]
     return children
 
 
-async def wait_ready(port: int, service: str) -> None:
+async def wait_ready(port: int, service: str, tls: Tls | None, role: str) -> None:
     """Returns once the server on ``port`` reports ``service`` SERVING."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with aio_channel(f"127.0.0.1:{port}", tls, role) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -168,7 +202,18 @@ class Launcher:
         self.stop_grace = stop_grace
         self._stop = asyncio.Event()
 
+    def _prepare_security(self) -> Tls | None:
+        """A fresh throwaway CA and certificates (mTLS), and the registry's admin key."""
+        ensure_admin_key()
+        folder = certs_dir()
+        if self.layout.insecure:
+            shutil.rmtree(folder, ignore_errors=True)  # CLI tools must not try TLS
+            return None
+        make_suite_certs(folder, ["localhost", "127.0.0.1", self.layout.host])
+        return Tls.from_folder(folder, "client")
+
     async def run(self, ready_timeout: float) -> int:
+        tls = self._prepare_security()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
@@ -181,7 +226,12 @@ class Launcher:
         exits = [asyncio.ensure_future(c.process.wait()) for c in self.children if c.process]
         readiness = asyncio.ensure_future(
             asyncio.wait_for(
-                asyncio.gather(*(wait_ready(c.port, c.service) for c in self.children)),
+                asyncio.gather(
+                    *(
+                        wait_ready(c.port, c.service, None if c.name == "gateway" else tls, c.role)
+                        for c in self.children
+                    )
+                ),
                 ready_timeout,
             )
         )

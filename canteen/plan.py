@@ -7,9 +7,13 @@ worker: it appends them itself.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a sequence may ask for per token
+MAX_TEMPERATURE = 2.0  # OpenAI's bound; hotter sampling is noise
+MAX_TOP_K = 1 << 20  # far above any vocabulary; keeps the value an int32
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # higher runs first; keys may cap it lower
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -31,6 +35,24 @@ class Sampling:
         # sampling that cold is argmax anyway.
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+    def problem(self) -> str | None:
+        """What is out of bounds, naming the field and the rule; None when all is valid.
+
+        The one set of bounds that the gateway, the scheduler and the worker each check.
+        """
+        t, p = self.temperature, self.top_p
+        if not (math.isfinite(t) and 0 <= t <= MAX_TEMPERATURE):
+            return f"temperature={t}: must be in [0, {MAX_TEMPERATURE:g}]"
+        if not (math.isfinite(p) and 0 < p <= 1):
+            return f"top_p={p}: must be in (0, 1]"
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            return f"top_k={self.top_k}: must be in 0..{MAX_TOP_K}"
+        if not 0 <= self.seed < 1 << 64:
+            return f"seed={self.seed}: must be in 0..2**64-1"
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            return f"top_logprobs={self.top_logprobs}: must be in 0..{MAX_TOP_LOGPROBS}"
+        return None
+
 
 @dataclass(frozen=True)
 class NewSequence:
@@ -40,6 +62,7 @@ class NewSequence:
     block_ids: tuple[int, ...]
     num_cached_tokens: int = 0
     traceparent: str = ""  # W3C trace context of the request; empty when untraced
+    request_id: str = ""  # the client's label, for log lines only
 
 
 @dataclass(frozen=True)
@@ -76,6 +99,14 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class FailedSequence:
+    """A sequence the worker refused: it dropped it and ran the rest of the step."""
+
+    seq_id: str
+    error: str
+
+
+@dataclass(frozen=True)
 class StepResult:
     step_id: int
     tokens: tuple[SampledToken, ...] = ()
@@ -83,3 +114,4 @@ class StepResult:
     forward_ns: int = 0
     sample_ns: int = 0
     total_ns: int = 0
+    failed: tuple[FailedSequence, ...] = ()

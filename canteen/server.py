@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from canteen.logging import get_logger
+from canteen.tls import Policy, peer_role
 
 log = get_logger(__name__)
 
@@ -39,11 +40,29 @@ class _DrainInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
         handler = await continuation(handler_call_details)
-        if method.startswith(_ALWAYS_ALLOWED) or method in self._runtime.untracked:
+        if method.startswith(_ALWAYS_ALLOWED):
             return handler
+        policy = self._runtime.policy
+        gate = _Gate(method, policy) if policy is not None else None
+        if method in self._runtime.untracked:
+            return _counted(handler, None, gate)
         if self._runtime.is_draining:
             return _unavailable_handler(handler)
-        return _counted(handler, self._runtime.in_flight)
+        return _counted(handler, self._runtime.in_flight, gate)
+
+
+class _Gate:
+    """Refuses a caller whose certificate's role may not call the method."""
+
+    def __init__(self, method: str, policy: Policy) -> None:
+        self.method, self.policy = method, policy
+
+    async def check(self, context: grpc.aio.ServicerContext) -> None:
+        role = peer_role(context)
+        refusal = self.policy.refusal(self.method, role)
+        if refusal is not None:
+            log.warning("caller refused", method=self.method, role=role, peer=context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, refusal)
 
 
 class _InFlight:
@@ -93,35 +112,49 @@ async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -
         )
 
 
-def _counted(handler: grpc.RpcMethodHandler, in_flight: _InFlight) -> grpc.RpcMethodHandler:
+def _counted(
+    handler: grpc.RpcMethodHandler, in_flight: _InFlight | None, gate: _Gate | None
+) -> grpc.RpcMethodHandler:
+    """Wraps a handler: refuses undecodable requests and callers the gate turns away, and
+    counts the call in ``in_flight`` (None: a watch stream a drain does not wait for)."""
     if handler is None:
         return handler
     des, ser = handler.request_deserializer, handler.response_serializer
     if not handler.request_streaming:
         des = _safe(des)
+
+    async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await _refuse_undecodable(request, context)
+        if gate is not None:
+            await gate.check(context)
+        if in_flight is not None:
+            in_flight.enter()
+
+    def leave() -> None:
+        if in_flight is not None:
+            in_flight.exit()
+
     if handler.unary_unary is not None:
         inner_uu = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _refuse_undecodable(request, context)
-            in_flight.enter()
+            await admit(request, context)
             try:
                 return await inner_uu(request, context)
             finally:
-                in_flight.exit()
+                leave()
 
         return grpc.unary_unary_rpc_method_handler(unary_unary, des, ser)
     streaming = handler.unary_stream or handler.stream_stream
     if streaming is not None:
         # One wrapper serves both: the first argument is a request or a request iterator.
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await _refuse_undecodable(request, context)
-            in_flight.enter()
+            await admit(request, context)
             try:
                 async for item in streaming(request, context):
                     yield item
             finally:
-                in_flight.exit()
+                leave()
 
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(stream, des, ser)
@@ -159,8 +192,16 @@ class ServiceRuntime:
         max_message_bytes: int = MAX_MESSAGE_BYTES,
         untracked: tuple[str, ...] = (),
         handle_signals: bool = True,
+        credentials: grpc.ServerCredentials | None = None,
+        policy: Policy | None = None,
+        health_port: int = -1,
     ) -> None:
         self.service_name = service_name
+        # TLS on the main port (None: plaintext), and who may call what (None: anyone).
+        self.credentials = credentials
+        self.policy = policy
+        self.health_port = health_port
+        self._health_server: grpc.aio.Server | None = None
         # Long-lived watch streams that a drain does not wait for.
         self.untracked = untracked
         self.in_flight = _InFlight()
@@ -177,6 +218,10 @@ class ServiceRuntime:
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.so_reuseport", 0),
+                # Notice a peer that vanished without closing (a dead host): its streams end,
+                # so a restarted scheduler's Run stream is not refused for a ghost.
+                ("grpc.keepalive_time_ms", 20_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
             ],
         )
         self.health = health.aio.HealthServicer()
@@ -202,18 +247,36 @@ class ServiceRuntime:
             reflection.SERVICE_NAME,
         ]
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(self.address)
+        if self.credentials is not None:
+            self.port = self.server.add_secure_port(self.address, self.credentials)
+        else:
+            self.port = self.server.add_insecure_port(self.address)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.address}")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(self.service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        await self._start_health_port()
         self._loop = asyncio.get_running_loop()
         if self._handle_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, sig)
         log.info("listening", address=self.address, port=self.port, service=self.service_name)
         return self.port
+
+    async def _start_health_port(self) -> None:
+        """Plaintext health only, for probes without a client certificate (kubelet, compose)."""
+        if self.health_port < 0:
+            return
+        self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+        host = self.address.rpartition(":")[0]
+        port = self._health_server.add_insecure_port(f"{host}:{self.health_port}")
+        if port == 0:
+            raise RuntimeError(f"could not bind the health port {host}:{self.health_port}")
+        self.health_port = port
+        await self._health_server.start()
+        log.info("health port listening", port=port)
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self._drain_task = asyncio.ensure_future(self.drain(sig.name))
@@ -244,6 +307,8 @@ class ServiceRuntime:
         # CANCELLED that a stopping server answers.
         await asyncio.sleep(_LAST_REFUSALS_SECONDS)
         await self.server.stop(0.5)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         self._stopped.set()
 
     async def wait(self) -> None:

@@ -17,17 +17,18 @@ _FIRST_DELAY, _MAX_DELAY = 0.2, 5.0
 
 
 async def follow_stream(
-    address: str,
+    dial: Callable[[], grpc.aio.Channel],
     open_stream: Callable[[grpc.aio.Channel], AsyncIterator[T]],
     on_message: Callable[[T], Awaitable[None]],
     name: str,
     on_broken: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Feeds every message of ``open_stream`` to ``on_message``; reopens it when it breaks."""
+    """Feeds every message of ``open_stream`` (on a channel from ``dial``) to
+    ``on_message``; reopens it when it breaks."""
     delay = _FIRST_DELAY
     while True:
         try:
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with dial() as channel:
                 async for message in open_stream(channel):
                     delay = _FIRST_DELAY
                     await on_message(message)

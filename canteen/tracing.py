@@ -17,6 +17,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from canteen.logging import get_logger
+from canteen.tls import Tls
 
 log = get_logger(__name__)
 
@@ -28,8 +29,12 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_KEYS = ("traceparent", "tracestate")
 
 
-def configure_tracing(service_name: str, endpoint: str) -> bool:
-    """Installs an exporting tracer provider when an endpoint is configured; True if so."""
+def configure_tracing(service_name: str, endpoint: str, tls: Tls | None = None) -> bool:
+    """Installs an exporting tracer provider when an endpoint is configured; True if so.
+
+    An ``https://`` endpoint inside the suite is dialled with the service's own client
+    certificate (mutual TLS) when it has one; ``http://`` is plaintext.
+    """
     endpoint = endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
     if not endpoint:
         return False
@@ -40,7 +45,9 @@ def configure_tracing(service_name: str, endpoint: str) -> bool:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    exporter = OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+    is_plain = endpoint.startswith("http://")
+    credentials = tls.channel_credentials() if tls is not None and not is_plain else None
+    exporter = OTLPSpanExporter(endpoint=endpoint, insecure=is_plain, credentials=credentials)
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=500))
     trace.set_tracer_provider(provider)
     log.info("tracing on", endpoint=endpoint)

@@ -12,14 +12,15 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from canteen.auth import ApiKeys
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
 from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
 from canteen.streams import follow_stream
+from canteen.tls import Tls, aio_channel
 from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from gateway.auth import ApiKeys
 from gateway.catalog import ModelCatalog
 from gateway.config import GatewayConfig
 from gateway.http import HttpEdge, start_http
@@ -35,11 +36,29 @@ SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_
 
 
 def bind_host(config: GatewayConfig, keys: ApiKeys) -> str:
-    if config.host:
-        if not keys.is_enabled and not _is_loopback(config.host):
-            log.warning("serving without API keys on a non-loopback interface", host=config.host)
-        return config.host
-    return "0.0.0.0" if keys.is_enabled else "127.0.0.1"
+    """Where the public ports listen. Without API keys, loopback only, unless the operator
+    says --allow-unauthenticated on purpose."""
+    if not config.host:
+        return "0.0.0.0" if keys.is_enabled else "127.0.0.1"
+    if not keys.is_enabled and not _is_loopback(config.host):
+        if not config.allow_unauthenticated:
+            raise ValueError(
+                f"host={config.host!r}: without API keys the gateway binds loopback only; "
+                "give --api-keys-file (or CANTEEN_API_KEYS), or --allow-unauthenticated"
+            )
+        log.warning("serving without API keys on a non-loopback interface", host=config.host)
+    return config.host
+
+
+def public_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """TLS of the public gRPC port (no client certificates: callers bring API keys)."""
+    if not config.public_tls_cert:
+        return None
+    try:
+        with open(config.public_tls_cert, "rb") as cert, open(config.public_tls_key, "rb") as key:
+            return grpc.ssl_server_credentials([(key.read(), cert.read())])
+    except OSError as exc:
+        raise ValueError(f"public_tls: {exc.filename}: {exc.strerror}") from None
 
 
 def _is_loopback(host: str) -> bool:
@@ -64,7 +83,7 @@ def build_screen(config: GatewayConfig) -> Screen | None:
 
 
 async def follow_scheduler(
-    address: str, runtime: ServiceRuntime, preload: asyncio.Future[None]
+    address: str, tls: Tls | None, runtime: ServiceRuntime, preload: asyncio.Future[None]
 ) -> None:
     """Readiness follows the scheduler's readiness (health Watch, reconnecting)."""
 
@@ -76,7 +95,7 @@ async def follow_scheduler(
         await runtime.set_ready(False)
 
     await follow_stream(
-        address,
+        lambda: aio_channel(address, tls, "scheduler"),
         lambda channel: health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE)
         ),
@@ -86,13 +105,19 @@ async def follow_scheduler(
     )
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig, tls: Tls | None) -> None:
     keys = ApiKeys.load(config.api_keys_file, config.api_keys)
     host = bind_host(config, keys)
-    runtime = ServiceRuntime(SERVICE_NAME, f"{host}:{config.port}", config.grace)
-    catalog = ModelCatalog(config.registry)
+    runtime = ServiceRuntime(
+        SERVICE_NAME,
+        f"{host}:{config.port}",
+        config.grace,
+        credentials=public_credentials(config),
+        health_port=config.health_port,
+    )
+    catalog = ModelCatalog(config.registry, tls)
     tokenizers = TokenizerCache()
-    channel = grpc.aio.insecure_channel(config.scheduler)
+    channel = aio_channel(config.scheduler, tls, "scheduler")
     metrics_registry = new_registry()
     service = InferenceService(
         config,
@@ -106,8 +131,10 @@ async def serve(config: GatewayConfig) -> None:
         InferenceServicer(service, keys), runtime.server
     )
     await runtime.start([SERVICE_NAME])
-    edge = HttpEdge(service, keys, config.max_body_bytes, metrics_registry)
-    http = await start_http(edge, host, config.http_port) if config.http_port >= 0 else None
+    admin_keys = ApiKeys.load(config.admin_keys_file, config.admin_keys)
+    edge = HttpEdge(service, keys, config.max_body_bytes, metrics_registry, admin_keys)
+    public = (config.public_tls_cert, config.public_tls_key) if config.public_tls_cert else None
+    http = await start_http(edge, host, config.http_port, public) if config.http_port >= 0 else None
     metrics_http = await start_metrics_http(metrics_registry, host, config.metrics_port)
 
     async def drain_http() -> None:
@@ -126,7 +153,7 @@ async def serve(config: GatewayConfig) -> None:
         log.info("tokenizer ready", model=catalog.default_model)
 
     preload = asyncio.ensure_future(preload_default())
-    health = asyncio.create_task(follow_scheduler(config.scheduler, runtime, preload))
+    health = asyncio.create_task(follow_scheduler(config.scheduler, tls, runtime, preload))
     await runtime.wait()
     if http is not None:
         await _finish_http(edge, http, config.grace)
@@ -150,9 +177,10 @@ def main(argv: list[str] | None = None) -> None:
         GatewayConfig, argv, prog="python -m gateway", description="Canteen gateway"
     )
     configure_logging("gateway")
-    configure_tracing("canteen-gateway", config.otlp_endpoint)
+    tls = config.load_tls("gateway")
+    configure_tracing("canteen-gateway", config.otlp_endpoint, tls)
     try:
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, tls))
     except ValueError as exc:
         log.error("bad configuration", error=str(exc))
         sys.exit(2)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from canteen.logging import get_logger
 from canteen.streams import follow_stream
+from canteen.tls import Tls, aio_channel
 from canteen.v1 import registry_pb2, registry_pb2_grpc
 
 log = get_logger(__name__)
@@ -60,8 +61,11 @@ _FORMATS = {
 
 
 class ModelCatalog:
-    def __init__(self, registry_address: str, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, registry_address: str, tls: Tls | None = None, rng: random.Random | None = None
+    ) -> None:
         self._address = registry_address
+        self._tls = tls
         self._rng = rng or random.Random()
         self._latest: dict[str, ModelVersion] = {}
         self._versions: dict[str, ModelVersion] = {}
@@ -112,7 +116,7 @@ class ModelCatalog:
     async def watch_forever(self) -> None:
         """Follows the registry's model watch for the life of the gateway."""
         await follow_stream(
-            self._address,
+            lambda: aio_channel(self._address, self._tls, "registry"),
             lambda channel: registry_pb2_grpc.RegistryStub(channel).WatchModels(
                 registry_pb2.WatchModelsRequest()
             ),

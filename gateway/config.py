@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from canteen.config import option, require
 from canteen.metrics import METRICS_PORT_HELP
+from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(InternalLinkOptions):
     """Flags and CANTEEN_* variables of ``python -m gateway``."""
 
     host: str = option("", "interface to bind (default 127.0.0.1, or 0.0.0.0 with API keys)")
@@ -23,6 +24,10 @@ class GatewayConfig:
     registry: str = option("127.0.0.1:50053", "registry address")
     api_keys_file: str = option("", "file with one API key per line")
     api_keys: str = option("", "comma-separated API keys")
+    admin_keys_file: str = option(
+        "", "admin keys (same format): with API keys on, /status and /metrics need one"
+    )
+    admin_keys: str = option("", "comma-separated admin keys")
     max_prompt_chars: int = option(1_000_000, "longest prompt or message list, in characters")
     max_messages: int = option(256, "most chat messages in one request")
     max_prompt_tokens: int = option(0, "most prompt tokens in one request (0: the model's context)")
@@ -41,6 +46,16 @@ class GatewayConfig:
     scheduler_retry: float = option(
         15.0,
         "seconds a request with no token yet is retried while the scheduler cannot be reached",
+    )
+    public_tls_cert: str = option("", "certificate (PEM) of the public gRPC and HTTP ports")
+    public_tls_key: str = option("", "private key (PEM) of --public-tls-cert")
+    allow_unauthenticated: bool = option(
+        False, "serve without API keys on a non-loopback interface (anyone can use it)"
+    )
+    cache_isolation: str = option(
+        "shared",
+        "prefix cache between API keys: 'shared' (one cache) or 'key' (each key its own; "
+        "no key can learn from cached_tokens or timing what another sent)",
     )
 
     def __post_init__(self) -> None:
@@ -65,3 +80,15 @@ class GatewayConfig:
             require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.rate_limit_rpm >= 0, "rate_limit_rpm", self.rate_limit_rpm, "must be >= 0")
         require(self.rate_limit_tpm >= 0, "rate_limit_tpm", self.rate_limit_tpm, "must be >= 0")
+        require(
+            bool(self.public_tls_cert) == bool(self.public_tls_key),
+            "public_tls_cert",
+            self.public_tls_cert,
+            "--public-tls-cert and --public-tls-key go together",
+        )
+        require(
+            self.cache_isolation in ("shared", "key"),
+            "cache_isolation",
+            self.cache_isolation,
+            "must be 'shared' or 'key'",
+        )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from gateway.auth import AuthenticationError, ModelNotAllowedError
+from canteen.auth import AuthenticationError, ModelNotAllowedError, PriorityNotAllowedError
 from gateway.catalog import UnknownModelError
 from gateway.limits import NeverFitsError, RateLimitedError
 
@@ -25,7 +25,7 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, UnknownModelError):
         return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, ModelNotAllowedError):
+    if isinstance(exc, (ModelNotAllowedError, PriorityNotAllowedError)):
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, RateLimitedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED

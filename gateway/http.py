@@ -11,8 +11,10 @@ cancels its request upstream: the handler is cancelled, and so is the scheduler 
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import json
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -21,9 +23,9 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from canteen.auth import ApiKeys, AuthenticationError
 from canteen.logging import get_logger
 from canteen.metrics import metrics_handler
-from gateway.auth import ApiKeys, AuthenticationError
 from gateway.errors import InvalidInputError, UpstreamError, status_of
 from gateway.limits import RateLimitedError
 from gateway.openai_api import (
@@ -45,6 +47,9 @@ from gateway.status import status_routes
 log = get_logger(__name__)
 # Served without an API key: probes, Prometheus and the status page.
 _OPEN_PATHS = frozenset({"/healthz", "/metrics", "/status", "/status.json"})
+# What the service looks like inside (batches, request labels, metrics): an admin key's,
+# whenever API keys are configured. Browsers may send it as Basic auth (any user name).
+_ADMIN_PATHS = frozenset({"/metrics", "/status", "/status.json"})
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -89,6 +94,17 @@ def as_http_error(exc: Exception) -> HttpError:
     return HttpError(code, str(exc))
 
 
+def _bearer(authorization: str | None) -> str | None:
+    """``Basic base64(user:KEY)`` (a browser's login box) as ``Bearer KEY``."""
+    if authorization and authorization[:6].lower() == "basic ":
+        try:
+            _, _, key = base64.b64decode(authorization[6:], validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            return authorization
+        return f"Bearer {key}"
+    return authorization
+
+
 class HttpEdge:
     def __init__(
         self,
@@ -96,9 +112,11 @@ class HttpEdge:
         keys: ApiKeys,
         max_body_bytes: int,
         metrics_registry: CollectorRegistry,
+        admin_keys: ApiKeys | None = None,
     ) -> None:
         self.service = service
         self.keys = keys
+        self.admin_keys = admin_keys or ApiKeys([])
         self.max_body_bytes = max_body_bytes
         self.is_draining = False
         self.in_flight = 0
@@ -125,6 +143,8 @@ class HttpEdge:
         structlog.contextvars.bind_contextvars(request_id=request_id)
         self.in_flight += 1
         try:
+            if request.path in _ADMIN_PATHS and self.keys.is_enabled:
+                self._require_admin(request)
             if request.path not in _OPEN_PATHS:
                 if self.is_draining:
                     raise HttpError(grpc.StatusCode.UNAVAILABLE, "the gateway is draining")
@@ -151,6 +171,23 @@ class HttpEdge:
         if not response.prepared:
             response.headers["x-request-id"] = request_id
         return response
+
+    def _require_admin(self, request: web.Request) -> None:
+        if not self.admin_keys.is_enabled:
+            raise HttpError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{request.path} needs an admin key: start the gateway with --admin-keys-file",
+            )
+        try:
+            self.admin_keys.authenticate(_bearer(request.headers.get("Authorization")))
+        except AuthenticationError as exc:
+            raise web.HTTPUnauthorized(
+                text=json.dumps(
+                    error_body(grpc.StatusCode.UNAUTHENTICATED, f"admin key: {exc}")[1]
+                ),
+                content_type="application/json",
+                headers={"WWW-Authenticate": 'Basic realm="canteen admin"'},
+            ) from None
 
     async def _body(self, request: web.Request) -> object:
         raw = await request.read()  # HTTPRequestEntityTooLarge past --max-body-bytes
@@ -359,9 +396,20 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
 
 
-async def start_http(edge: HttpEdge, host: str, port: int) -> web.AppRunner:
+async def start_http(
+    edge: HttpEdge, host: str, port: int, tls: tuple[str, str] | None = None
+) -> web.AppRunner:
+    """Serves the HTTP edge; ``tls`` (certificate and key files, PEM) makes it HTTPS."""
     runner = web.AppRunner(edge.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    log.info("http listening", host=host, port=port)
+    await web.TCPSite(runner, host, port, ssl_context=_ssl_context(tls)).start()
+    log.info("http listening", host=host, port=port, tls=tls is not None)
     return runner
+
+
+def _ssl_context(tls: tuple[str, str] | None) -> ssl.SSLContext | None:
+    if tls is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(*tls)
+    return context

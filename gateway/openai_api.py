@@ -171,6 +171,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
         stop=_stop(body),
         top_logprobs=top,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),  # an extension, as in vLLM
+        priority=_get(body, "priority", int, 0),  # an extension, as in vLLM; keys cap it
     )
     prompt = _prompt(body) if kind == "completion" else None
     messages = _messages(body) if kind == "chat" else None

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from canteen.auth import ApiKeys, AuthenticationError, Principal
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from gateway.auth import ApiKeys, AuthenticationError, Principal
 from gateway.errors import status_of
 from gateway.limits import RateLimitedError
 from gateway.service import GenerateInput, InferenceService, TextDelta, choose_request_id

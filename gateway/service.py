@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import Span
 
+from canteen.auth import ANONYMOUS, Principal
 from canteen.logging import get_logger
-from canteen.plan import MAX_TOP_LOGPROBS
+from canteen.plan import Sampling
 from canteen.tracing import context_from_traceparent, get_tracer, trace_id_of, trace_metadata
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from gateway.auth import ANONYMOUS, Principal
 from gateway.catalog import ModelCatalog, ModelVersion
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidInputError, UpstreamError, status_of
@@ -77,6 +77,7 @@ class Admitted:
     ids: list[int]
     max_tokens: int
     reservation: Reservation
+    cache_salt: str = ""  # the prefix cache's tenant (--cache-isolation key); "" shared
 
 
 @dataclass
@@ -155,16 +156,9 @@ class InferenceService:
                 f"max_tokens={inp.max_tokens}: the limit is {c.max_output_tokens} "
                 "(--max-output-tokens)"
             )
-        if not inp.temperature >= 0:
-            raise InvalidInputError(f"temperature={inp.temperature}: must be >= 0")
-        if not 0 < inp.top_p <= 1:
-            raise InvalidInputError(f"top_p={inp.top_p}: must be in (0, 1]")
-        if inp.top_k < 0:
-            raise InvalidInputError(f"top_k={inp.top_k}: must be >= 0")
-        if not 0 <= inp.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidInputError(
-                f"top_logprobs={inp.top_logprobs}: must be in 0..{MAX_TOP_LOGPROBS}"
-            )
+        sampling = Sampling(inp.temperature, inp.top_p, inp.top_k, inp.seed or 0, inp.top_logprobs)
+        if (problem := sampling.problem()) is not None:
+            raise InvalidInputError(problem)
         if len(inp.stop) > c.max_stop_strings:
             raise InvalidInputError(
                 f"stop has {len(inp.stop)} strings; the limit is {c.max_stop_strings}"
@@ -266,6 +260,7 @@ class InferenceService:
     async def _admit(self, inp: GenerateInput, principal: Principal) -> Admitted:
         model, tokenizer, ids = await self.prepare(inp)
         principal.require_model(model.name)
+        principal.require_priority(inp.priority)
         if self.screen is not None:
             reason = screen_prompt(self.screen, inp.prompt, inp.messages)
             if reason is not None:
@@ -278,7 +273,10 @@ class InferenceService:
         reservation = self.limiter.reserve(
             principal.key_id, reserved, rpm=principal.rpm, tpm=principal.tpm
         )
-        return Admitted(inp, model, tokenizer, ids, max_tokens, reservation)
+        # --cache-isolation key: each key's prompts hash apart, so cached_tokens and timing
+        # say nothing about what another key sent.
+        salt = principal.key_id if self.config.cache_isolation == "key" else ""
+        return Admitted(inp, model, tokenizer, ids, max_tokens, reservation, salt)
 
     async def generate(
         self, inp: GenerateInput, timeout: float | None, principal: Principal = ANONYMOUS
@@ -337,6 +335,7 @@ class InferenceService:
             stop_token_ids=inp.stop_token_ids,
             ignore_eos=inp.ignore_eos,
             priority=inp.priority,
+            cache_salt=admitted.cache_salt,
         )
         log.info(
             "request accepted",
@@ -358,7 +357,9 @@ class InferenceService:
                     delta.text += stops.flush()
                 if screen is not None and screen.push(delta.text) is not None:
                     log.info("output cut by the content screen", reason=screen.reason)
+                    # Nothing of the cut text leaves: no text, no token ids, no logprobs.
                     delta.text, delta.finish_reason = "", "content_filter"
+                    delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
                     delta.usage = Usage(len(ids), num_tokens, 0)
                     yield delta
                     return

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from canteen.config import option, require
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
+from canteen.tls import InternalLinkOptions
 
 
 @dataclass(frozen=True)
-class RegistryConfig:
+class RegistryConfig(InternalLinkOptions):
     """Flags and CANTEEN_* variables of ``python -m registry``."""
 
     host: str = option("127.0.0.1", "interface to bind")
@@ -22,6 +23,15 @@ class RegistryConfig:
     add_model: str = option("", "models to register at start: NAME:VERSION=PATH, comma-separated")
     lease_ttl: float = option(10.0, "seconds a worker lease lives without a heartbeat")
     grace: float = option(5.0, "seconds in-flight calls get on SIGTERM")
+    admin_keys_file: str = option(
+        "", "admin keys, one a line (the gateway's key format): writes need one of them"
+    )
+    admin_keys: str = option("", "comma-separated admin keys")
+    model_root: str = option(
+        "",
+        "folders AddModel may register weights from, comma-separated (empty: AddModel over "
+        "RPC is refused; --add-model at start is not limited)",
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")

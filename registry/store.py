@@ -108,6 +108,17 @@ class ModelStore:
             raise ModelNotFoundError(f"model {wanted!r} is not registered (known: {known})")
         return ModelRecord(*row)
 
+    def delete(self, name: str, version: str) -> None:
+        """Removes one model version; ModelNotFoundError if it is not there."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            deleted = self._db.execute(
+                "DELETE FROM models WHERE name = ? AND version = ?", (name, version)
+            )
+        if deleted.rowcount == 0:
+            known = ", ".join(f"{r.name}:{r.version}" for r in self.list()) or "none"
+            raise ModelNotFoundError(f"model '{name}:{version}' is not registered (known: {known})")
+
     def set_alias(self, alias: Alias) -> Alias:
         """Stores an alias (checked by the caller), replacing its previous targets."""
         with self._db:

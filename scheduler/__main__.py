@@ -9,6 +9,7 @@ from canteen.config import parse_config
 from canteen.logging import configure_logging
 from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
+from canteen.tls import Policy, Tls
 from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -19,17 +20,31 @@ from scheduler.server import SchedulerServicer
 from scheduler.service import SchedulerService
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+# Only the gateway submits work: behind it sit the keys, the rate limits and the screen.
+POLICY = Policy.of(Generate=["gateway"], GetStats=["gateway", "client"])
 
 
-async def serve(config: SchedulerConfig) -> None:
-    runtime = ServiceRuntime(SERVICE_NAME, f"{config.host}:{config.port}", config.grace)
+async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
+    runtime = ServiceRuntime(
+        SERVICE_NAME,
+        f"{config.host}:{config.port}",
+        config.grace,
+        credentials=tls.server_credentials() if tls else None,
+        policy=POLICY if tls else None,
+        health_port=config.health_port,
+    )
     settings = LinkSettings(
         config.max_num_seqs, config.prefix_cache, config.max_step_stall, config.worker_timeout
     )
     registry = new_registry()
     metrics = SchedulerMetrics(registry)
     pool = WorkerPool(
-        config.registry, settings, runtime.set_ready, metrics.observe_step, config.failover_wait
+        config.registry,
+        settings,
+        runtime.set_ready,
+        metrics.observe_step,
+        config.failover_wait,
+        tls,
     )
     registry.register(PoolCollector(pool.links))
     service = SchedulerService(pool, config.max_queue, metrics)
@@ -48,8 +63,9 @@ def main(argv: list[str] | None = None) -> None:
         SchedulerConfig, argv, prog="python -m scheduler", description="Canteen scheduler"
     )
     configure_logging("scheduler")
-    configure_tracing("canteen-scheduler", config.otlp_endpoint)
-    asyncio.run(serve(config))
+    tls = config.load_tls("scheduler")
+    configure_tracing("canteen-scheduler", config.otlp_endpoint, tls)
+    asyncio.run(serve(config, tls))
     shutdown_tracing()
     sys.exit(0)
 

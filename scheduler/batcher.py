@@ -149,13 +149,15 @@ class BatchScheduler:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
         if self.cost is not None and result.total_ns > 0 and plan.scheduled:
             self.cost.observe(plan.num_tokens, result.total_ns / 1e9)
-        by_id = {s.request_id: s for s in self.running}
+        by_id = {s.seq_id: s for s in self.running}
+        refused = {f.seq_id: f.error for f in result.failed}
         for item in plan.scheduled:
             seq = by_id.get(item.seq_id)
-            if seq is not None:
+            if seq is not None and item.seq_id not in refused:
                 seq.num_computed += item.num_tokens
                 self._commit_full_blocks(seq)
         events = [self._on_token(by_id[t.seq_id], t) for t in result.tokens if t.seq_id in by_id]
+        events += [self._refuse(by_id[i], error) for i, error in refused.items() if i in by_id]
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent(seq, (), (), Finish.CANCELLED))
@@ -197,6 +199,14 @@ class BatchScheduler:
             self._finish(seq, finish)
         return SeqEvent(seq, (token.token_id,), (token.logprob,), finish, (token.top,))
 
+    def _refuse(self, seq: Sequence, error: str) -> SeqEvent:
+        """The worker refused ``seq`` (and dropped it): it fails alone; the worker is fine."""
+        seq.is_on_worker = False
+        seq.is_refused = True
+        seq.error = f"worker refused the sequence: {error}"
+        self._finish(seq, Finish.FAILED)
+        return SeqEvent(seq, (), (), Finish.FAILED)
+
     def _admit(self, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = max(
@@ -228,7 +238,7 @@ class BatchScheduler:
         """Starts a sequence that holds no blocks on the longest cached prefix of its tokens."""
         if seq.block_ids:
             return
-        blocks, keys = self.pool.match_prefix(seq.tokens)
+        blocks, keys = self.pool.match_prefix(seq.tokens, seq.cache_salt)
         seq.block_ids, seq.block_keys = blocks, keys
         seq.num_computed = len(blocks) * self.pool.block_size
         if seq.first_scheduled_time is None:
@@ -249,7 +259,7 @@ class BatchScheduler:
         tokens = seq.tokens
         while len(seq.block_keys) < num_full:
             i = len(seq.block_keys)
-            parent = seq.block_keys[-1] if seq.block_keys else self.pool.root_key
+            parent = seq.block_keys[-1] if seq.block_keys else self.pool.root_for(seq.cache_salt)
             key = self.pool.commit(seq.block_ids[i], parent, tokens[i * bs : (i + 1) * bs])
             seq.block_keys.append(key)
 
@@ -272,7 +282,7 @@ class BatchScheduler:
         self.running.remove(seq)
         self._release(seq)
         if seq.is_on_worker:
-            self._pending_drops.append(seq.request_id)
+            self._pending_drops.append(seq.seq_id)
         seq.is_on_worker = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -284,7 +294,7 @@ class BatchScheduler:
             self.running.remove(seq)
         self._release(seq)
         if seq.is_on_worker:
-            self._pending_drops.append(seq.request_id)
+            self._pending_drops.append(seq.seq_id)
             seq.is_on_worker = False
         seq.status, seq.finish = Status.FINISHED, finish
 
@@ -299,15 +309,16 @@ class BatchScheduler:
             else:
                 new.append(
                     NewSequence(
-                        seq.request_id,
+                        seq.seq_id,
                         tuple(seq.tokens),
                         seq.sampling,
                         tuple(seq.block_ids),
                         seq.num_computed,
                         seq.traceparent,
+                        seq.request_id,
                     )
                 )
                 seq.is_on_worker, fresh = True, ()
             seq.num_sent_blocks = len(seq.block_ids)
-            scheduled.append(ScheduledSequence(seq.request_id, n, fresh))
+            scheduled.append(ScheduledSequence(seq.seq_id, n, fresh))
         return StepPlan(step_id, tuple(new), tuple(scheduled), drops)

@@ -8,6 +8,9 @@ nobody references goes back to the free list: plain blocks are handed out first,
 stay reusable until they are evicted least-recently-used.
 
     key(block i) = H(key(block i-1), tokens[i*bs:(i+1)*bs])     key(-1) = H(model version)
+
+A request's cache salt (a tenant: the gateway's --cache-isolation key) changes key(-1), so
+tenants never share a block and cannot tell from cached_tokens what another sent.
 """
 
 from __future__ import annotations
@@ -100,7 +103,13 @@ class BlockPool:
 
     # -- prefix cache --------------------------------------------------------------------
 
-    def match_prefix(self, tokens: list[int]) -> tuple[list[int], list[bytes]]:
+    def root_for(self, salt: str) -> bytes:
+        """key(-1) of a tenant: the pool's own root, salted when ``salt`` is not empty."""
+        if not salt:
+            return self.root_key
+        return hashlib.blake2b(self.root_key + salt.encode(), digest_size=16).digest()
+
+    def match_prefix(self, tokens: list[int], salt: str = "") -> tuple[list[int], list[bytes]]:
         """References the cached blocks of the longest cached prefix of ``tokens``.
 
         At least one token is always left to compute, so the last token's logits exist.
@@ -110,7 +119,7 @@ class BlockPool:
         bs = self.block_size
         blocks: list[int] = []
         keys: list[bytes] = []
-        parent = self.root_key
+        parent = self.root_for(salt)
         num_full = (len(tokens) - 1) // bs
         for i in range(num_full):
             key = chain_key(parent, tokens[i * bs : (i + 1) * bs])
@@ -125,12 +134,12 @@ class BlockPool:
             parent = key
         return blocks, keys
 
-    def count_cached_prefix(self, tokens: list[int]) -> int:
+    def count_cached_prefix(self, tokens: list[int], salt: str = "") -> int:
         """Leading full blocks of ``tokens`` cached here (what match_prefix would reuse)."""
         if not self.enable_prefix_cache:
             return 0
         bs = self.block_size
-        parent = self.root_key
+        parent = self.root_for(salt)
         for i in range((len(tokens) - 1) // bs):
             parent = chain_key(parent, tokens[i * bs : (i + 1) * bs])
             if parent not in self._block_of:

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from canteen.config import option, require
 from canteen.metrics import METRICS_PORT_HELP
+from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(InternalLinkOptions):
     """Flags and CANTEEN_* variables of ``python -m scheduler``."""
 
     host: str = option("127.0.0.1", "interface to bind")

@@ -51,6 +51,7 @@ class WorkerDescription:
     max_model_len: int
     eos_token_ids: frozenset[int]
     max_batched_tokens: int
+    vocab_size: int
 
 
 def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
@@ -64,6 +65,7 @@ def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
         max_model_len=info.max_model_len,
         eos_token_ids=frozenset(info.eos_token_ids),
         max_batched_tokens=info.max_batched_tokens,
+        vocab_size=info.vocab_size,
     )
 
 
@@ -112,13 +114,13 @@ class WorkerLink:
     def adopt(self, seq: Sequence, queue: asyncio.Queue[SeqEvent]) -> None:
         """Queues ``seq`` here; its events go to ``queue`` (new, or moved from a lost worker)."""
         seq.worker_id = self.desc.worker_id
-        self._queues[seq.request_id] = queue
+        self._queues[seq.seq_id] = queue
         self.core.add(seq)
         self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
         self.core.cancel(seq)
-        self._queues.pop(seq.request_id, None)
+        self._queues.pop(seq.seq_id, None)
         self._wake.set()
 
     def drain(self) -> None:
@@ -173,11 +175,11 @@ class WorkerLink:
             if self._on_step is not None:
                 self._on_step(self.desc, plan, time.monotonic() - started)
             for event in self.core.update(result_from_pb(msg)):
-                queue = self._queues.get(event.seq.request_id)
+                queue = self._queues.get(event.seq.seq_id)
                 if queue is not None:
                     queue.put_nowait(event)
                     if event.finish is not None:
-                        del self._queues[event.seq.request_id]
+                        del self._queues[event.seq.seq_id]
             await asyncio.sleep(0)  # let handlers submit and cancel between steps
 
     def _lose(self, error: str) -> None:
@@ -185,9 +187,9 @@ class WorkerLink:
         log.error("worker lost", worker_id=self.desc.worker_id, error=error)
         self.is_up = False
         orphans = [
-            (seq, self._queues[seq.request_id])
+            (seq, self._queues[seq.seq_id])
             for seq in self.core.evict_all()
-            if seq.request_id in self._queues
+            if seq.seq_id in self._queues
         ]
         self._queues.clear()
         if self._on_lost is not None:

@@ -21,6 +21,7 @@ import grpc
 
 from canteen.logging import get_logger
 from canteen.streams import follow_stream
+from canteen.tls import Tls, aio_channel
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler
 from scheduler.failover import Failover
@@ -42,7 +43,9 @@ class WorkerPool:
         on_ready_change: Callable[[bool], Awaitable[None]],
         on_step: StepObserver | None = None,
         failover_wait: float = 30.0,
+        tls: Tls | None = None,
     ) -> None:
+        self._tls = tls
         self._settings = settings
         self._on_step = on_step
         self.failover = Failover(self._place, failover_wait)
@@ -67,8 +70,8 @@ class WorkerPool:
         ]
 
     @staticmethod
-    def pick(candidates: list[WorkerLink], prompt_ids: list[int]) -> WorkerLink:
-        chosen = pick_worker([link.core for link in candidates], prompt_ids)
+    def pick(candidates: list[WorkerLink], prompt_ids: list[int], salt: str = "") -> WorkerLink:
+        chosen = pick_worker([link.core for link in candidates], prompt_ids, salt)
         assert chosen is not None, "pick needs at least one candidate"
         return candidates[chosen]
 
@@ -83,7 +86,7 @@ class WorkerPool:
     def _place(self, model: str, version: str, seq: Sequence) -> WorkerLink | None:
         total = len(seq.prompt_ids) + seq.max_tokens
         fitting = [link for link in self.serving(model, version) if fits(link, total)]
-        return self.pick(fitting, seq.tokens) if fitting else None
+        return self.pick(fitting, seq.tokens, seq.cache_salt) if fitting else None
 
     @property
     def num_waiting(self) -> int:
@@ -93,7 +96,7 @@ class WorkerPool:
         """Follows the registry's worker directory, reconnecting with backoff."""
         self._spawn(self.failover.expire_forever())
         await follow_stream(
-            self._registry_address,
+            lambda: aio_channel(self._registry_address, self._tls, "registry"),
             lambda channel: registry_pb2_grpc.RegistryStub(channel).WatchWorkers(
                 registry_pb2.WatchWorkersRequest()
             ),
@@ -124,7 +127,7 @@ class WorkerPool:
         a worker that is still starting; a re-dial after a loss fails fast instead, so a dead
         address never blocks the worker's restart under the same id."""
         self._connecting.add(entry.worker_id)
-        channel = grpc.aio.insecure_channel(entry.address)
+        channel = aio_channel(entry.address, self._tls, "worker")
         try:
             info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(
                 worker_pb2.GetInfoRequest(), timeout=10 if patient else 2, wait_for_ready=patient
@@ -187,7 +190,7 @@ class WorkerPool:
             await self._on_ready_change(is_ready)
 
 
-def pick_worker(cores: list[BatchScheduler], prompt_ids: list[int]) -> int | None:
+def pick_worker(cores: list[BatchScheduler], prompt_ids: list[int], salt: str = "") -> int | None:
     """Index of the core to run on: prefix-cache affinity among those with room, else the
     most headroom."""
     if not cores:
@@ -195,7 +198,7 @@ def pick_worker(cores: list[BatchScheduler], prompt_ids: list[int]) -> int | Non
     best: tuple[int, int] | None = None
     chosen = None
     for i, core in enumerate(cores):
-        cached = core.pool.count_cached_prefix(prompt_ids)
+        cached = core.pool.count_cached_prefix(prompt_ids, salt)
         room = _headroom(core) - (core.pool.blocks_for(len(prompt_ids)) - cached)
         if cached and room >= 0 and not core.waiting and (best is None or (cached, room) > best):
             best, chosen = (cached, room), i

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+import itertools
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -22,8 +24,19 @@ class Finish(enum.Enum):
     FAILED = "failed"
 
 
+# Sequence ids are made here, never taken from a client: a process-unique prefix and a counter.
+_SEQ_PREFIX = os.urandom(4).hex()
+_seq_counter = itertools.count(1)
+
+
+def new_seq_id() -> str:
+    """A sequence id unique to this scheduler process (and across its restarts)."""
+    return f"{_SEQ_PREFIX}-{next(_seq_counter):x}"
+
+
 @dataclass(eq=False)
 class Sequence:
+    # The client's label (x-request-id): logged and echoed, never used as a key.
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
@@ -53,6 +66,10 @@ class Sequence:
     worker_id: str = ""
     deadline: float | None = None
     num_failovers: int = 0
+    is_refused: bool = False  # a worker refused its plan entry: it failed alone
+    cache_salt: str = ""  # its prefix-cache tenant; "" shares with every other request
+    # The key on the worker and in every table: made here, unique.
+    seq_id: str = field(default_factory=new_seq_id)
 
     @property
     def tokens(self) -> list[int]:

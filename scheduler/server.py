@@ -48,6 +48,7 @@ def params_from_pb(
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
+        cache_salt=msg.cache_salt,
         deadline=time.monotonic() + time_remaining if time_remaining is not None else None,
     )
 
@@ -116,6 +117,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     running=[
                         scheduler_pb2.RunningSequence(
                             request_id=seq.request_id,
+                            seq_id=seq.seq_id,
                             num_prompt_tokens=len(seq.prompt_ids),
                             num_output_tokens=len(seq.output_ids),
                             num_blocks=len(seq.block_ids),

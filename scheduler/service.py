@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from opentelemetry.context import Context
 
 from canteen.logging import get_logger
-from canteen.plan import MAX_TOP_LOGPROBS, Sampling
+from canteen.plan import MAX_PRIORITY, MIN_PRIORITY, Sampling
 from canteen.tracing import get_tracer, traceparent_of
 from scheduler.link import WorkerLink
 from scheduler.metrics import SchedulerMetrics
@@ -36,6 +36,10 @@ class WorkerFailedError(Exception):
     pass
 
 
+class SequenceRefusedError(Exception):
+    """A worker refused the request's plan entry: an invariant broke; it failed alone."""
+
+
 @dataclass(frozen=True)
 class GenerateParams:
     request_id: str
@@ -48,6 +52,7 @@ class GenerateParams:
     ignore_eos: bool
     priority: int
     deadline: float | None = None  # monotonic time the caller stops waiting
+    cache_salt: str = ""  # prefix-cache tenant (the gateway's --cache-isolation key)
 
 
 class SchedulerService:
@@ -69,8 +74,9 @@ class SchedulerService:
         fitting = [link for link in candidates if fits(link, total)]
         if not fitting:
             raise InvalidRequestError(_never_fits(params, max(candidates, key=_capacity)))
-        link = self.pool.pick(fitting, params.prompt_ids)
+        link = self.pool.pick(fitting, params.prompt_ids, params.cache_salt)
         desc = link.desc
+        _check_vocab(params, desc.vocab_size)
         if self.pool.num_waiting >= self.max_queue:
             raise QueueFullError(
                 f"the waiting queue is full ({self.max_queue} requests); retry later"
@@ -86,6 +92,7 @@ class SchedulerService:
             stop_token_ids=frozenset(stop_ids),
             priority=params.priority,
             max_model_len=desc.max_model_len,
+            cache_salt=params.cache_salt,
         )
         return link, seq
 
@@ -135,7 +142,7 @@ class SchedulerService:
         while True:
             event = await queue.get()
             if event.finish is Finish.FAILED:
-                raise WorkerFailedError(seq.error)
+                raise (SequenceRefusedError if seq.is_refused else WorkerFailedError)(seq.error)
             if is_first and self.metrics is not None and seq.first_scheduled_time is not None:
                 wait = seq.first_scheduled_time - seq.arrival_time
                 self.metrics.observe_queue(link.desc.model, link.desc.version, wait)
@@ -184,18 +191,24 @@ def _validate_shape(params: GenerateParams) -> None:
         raise InvalidRequestError("model is required")
     if not params.prompt_ids:
         raise InvalidRequestError("prompt_token_ids must not be empty")
-    if any(t < 0 for t in params.prompt_ids):
-        raise InvalidRequestError("prompt_token_ids must be non-negative token ids")
     if params.max_tokens < 1:
         raise InvalidRequestError(f"max_tokens={params.max_tokens}: must be >= 1")
-    s = params.sampling
-    if s.temperature < 0:
-        raise InvalidRequestError(f"temperature={s.temperature}: must be >= 0")
-    if not 0 < s.top_p <= 1:
-        raise InvalidRequestError(f"top_p={s.top_p}: must be in (0, 1]")
-    if s.top_k < 0:
-        raise InvalidRequestError(f"top_k={s.top_k}: must be >= 0")
-    if not 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS:
+    if (problem := params.sampling.problem()) is not None:
+        raise InvalidRequestError(problem)
+    if not MIN_PRIORITY <= params.priority <= MAX_PRIORITY:
         raise InvalidRequestError(
-            f"top_logprobs={s.top_logprobs}: must be in 0..{MAX_TOP_LOGPROBS}"
+            f"priority={params.priority}: must be in {MIN_PRIORITY}..{MAX_PRIORITY}"
         )
+
+
+def _check_vocab(params: GenerateParams, vocab_size: int) -> None:
+    """Token ids come from the gateway's tokenizer; the scheduler checks them all the same."""
+    for name, ids in (
+        ("prompt_token_ids", params.prompt_ids),
+        ("stop_token_ids", params.stop_token_ids),
+    ):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{name}: token id {bad} is outside the model's vocabulary of {vocab_size}"
+            )

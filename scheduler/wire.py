@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
+from canteen.plan import FailedSequence, SampledToken, Sampling, StepPlan, StepResult
 from canteen.v1 import common_pb2, worker_pb2
 
 
@@ -27,6 +27,7 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
                 block_ids=n.block_ids,
                 num_cached_tokens=n.num_cached_tokens,
                 traceparent=n.traceparent,
+                request_id=n.request_id,
             )
             for n in plan.new_sequences
         ],
@@ -52,6 +53,7 @@ def result_from_pb(msg: worker_pb2.StepResult) -> StepResult:
             )
             for t in msg.tokens
         ),
+        failed=tuple(FailedSequence(f.seq_id, f.error) for f in msg.failed),
         num_tokens=msg.num_tokens,
         forward_ns=msg.timings.forward_ns,
         sample_ns=msg.timings.sample_ns,

@@ -19,6 +19,7 @@ from canteen.logging import configure_logging, get_logger
 from canteen.metrics import new_registry, start_metrics_http
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.server import ServiceRuntime
+from canteen.tls import Policy, Tls, aio_channel
 from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
@@ -38,6 +39,8 @@ from worker.server import WorkerIdentity, WorkerServicer
 
 log = get_logger("worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+# Only the scheduler drives the worker; operators' tools may read what it serves.
+POLICY = Policy.of(Run=["scheduler"], GetInfo=["scheduler", "client"])
 _FORMATS = {
     registry_pb2.MODEL_FORMAT_GGUF: "gguf",
     registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors",
@@ -177,13 +180,21 @@ async def load(
     )
 
 
-async def serve(config: WorkerConfig, engine: Executor, runtimes: list[ServiceRuntime]) -> None:
+async def serve(
+    config: WorkerConfig, tls: Tls | None, engine: Executor, runtimes: list[ServiceRuntime]
+) -> None:
     runtime = ServiceRuntime(
-        SERVICE_NAME, f"{config.host}:{config.port}", config.grace, handle_signals=False
+        SERVICE_NAME,
+        f"{config.host}:{config.port}",
+        config.grace,
+        handle_signals=False,
+        credentials=tls.server_credentials() if tls else None,
+        policy=POLICY if tls else None,
+        health_port=config.health_port,
     )
     runtimes.append(runtime)  # the main thread's signal handler drains it
     worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
-    channel = grpc.aio.insecure_channel(config.registry)
+    channel = aio_channel(config.registry, tls, "registry")
     registry = registry_pb2_grpc.RegistryStub(channel)
     record = await fetch_record(registry, config.model)
     identity = WorkerIdentity(
@@ -242,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         WorkerConfig, argv, prog="python -m worker", description="Canteen model worker"
     )
     configure_logging("worker")
-    configure_tracing("canteen-worker", config.otlp_endpoint)
+    tls = config.load_tls("worker")
+    configure_tracing("canteen-worker", config.otlp_endpoint, tls)
     if config.threads:
         torch.set_num_threads(config.threads)
     engine = MainThreadExecutor()
@@ -251,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def run_loop() -> None:
         try:
-            asyncio.run(serve(config, engine, runtimes))
+            asyncio.run(serve(config, tls, engine, runtimes))
         except (ModelLoadError, MemoryBudgetError) as exc:
             log.error("cannot load model", error=str(exc))
             exit_code[0] = 2

@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from canteen.config import option, parse_bytes, require
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
+from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(InternalLinkOptions):
     """Flags and CANTEEN_* variables of ``python -m worker``."""
 
     host: str = option("127.0.0.1", "interface to bind")

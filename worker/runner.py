@@ -6,19 +6,25 @@ only into the blocks the scheduler named. It is not thread-safe: one thread runs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
 import torch
 
-from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
+from canteen.plan import (
+    FailedSequence,
+    NewSequence,
+    SampledToken,
+    Sampling,
+    ScheduledSequence,
+    StepPlan,
+    StepResult,
+)
 from worker.attention import DecodeGroup, PagedBatch, PrefillSpan
+from worker.guard import BlockLedger, EntryError
 from worker.loader import LoadedModel
 from worker.sampler import sample
-
-
-class PlanError(ValueError):
-    """A plan that does not match the worker's state (a scheduler bug)."""
 
 
 @dataclass
@@ -28,6 +34,7 @@ class SequenceState:
     sampling: Sampling
     block_ids: list[int]
     num_computed: int
+    keys: list[bytes]  # chained content keys of its full computed blocks (worker/guard.py)
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -54,15 +61,22 @@ class ModelRunner:
             device=loaded.device,
         )
         self.sequences: dict[str, SequenceState] = {}
+        self.vocab_size = int(loaded.model.config.vocab_size)
+        self.max_model_len = loaded.max_model_len
+        self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
-        self._apply(plan)
+        plan, failed = self._apply(plan)
         if not plan.scheduled:
-            return StepResult(step_id=plan.step_id, total_ns=time.perf_counter_ns() - started)
+            return StepResult(
+                step_id=plan.step_id,
+                failed=tuple(failed),
+                total_ns=time.perf_counter_ns() - started,
+            )
         batch, input_ids, positions, sample_rows = self._build(plan)
         forward_start = time.perf_counter_ns()
         with torch.inference_mode():
@@ -80,48 +94,88 @@ class ModelRunner:
         return StepResult(
             step_id=plan.step_id,
             tokens=tuple(tokens),
+            failed=tuple(failed),
             num_tokens=plan.num_tokens,
             forward_ns=sample_start - forward_start,
             sample_ns=done - sample_start,
             total_ns=done - started,
         )
 
-    def _apply(self, plan: StepPlan) -> None:
-        for seq_id in plan.dropped_seq_ids:
-            self.sequences.pop(seq_id, None)
-        for new in plan.new_sequences:
-            if new.seq_id in self.sequences:
-                raise PlanError(f"sequence {new.seq_id} sent twice")
-            self._check_blocks(new.block_ids)
-            self.sequences[new.seq_id] = SequenceState(
-                new.seq_id,
-                list(new.token_ids),
-                new.sampling,
-                list(new.block_ids),
-                new.num_cached_tokens,
-            )
-        for item in plan.scheduled:
-            seq = self.sequences.get(item.seq_id)
-            if seq is None:
-                raise PlanError(f"sequence {item.seq_id} is not known to this worker")
-            self._check_blocks(item.new_block_ids)
-            seq.block_ids.extend(item.new_block_ids)
-            end = seq.num_computed + item.num_tokens
-            if item.num_tokens <= 0 or end > len(seq.tokens):
-                raise PlanError(
-                    f"sequence {seq.seq_id}: cannot compute {item.num_tokens} tokens after "
-                    f"{seq.num_computed} of {len(seq.tokens)}"
-                )
-            if end > len(seq.block_ids) * self.block_size:
-                raise PlanError(
-                    f"sequence {seq.seq_id}: {end} tokens need more than its "
-                    f"{len(seq.block_ids)} blocks of {self.block_size}"
-                )
+    def reset(self) -> None:
+        """Forgets every sequence (a new Run stream owns the worker from here on)."""
+        self.sequences.clear()
+        self.ledger.release_all()
 
-    def _check_blocks(self, block_ids: tuple[int, ...]) -> None:
-        for block in block_ids:
-            if not 0 <= block < self.num_blocks:
-                raise PlanError(f"block id {block} outside the pool of {self.num_blocks}")
+    def _apply(self, plan: StepPlan) -> tuple[StepPlan, list[FailedSequence]]:
+        """Applies drops and new sequences; returns the entries that can run this step and
+        the sequences refused (each dropped here, failing alone)."""
+        failed: dict[str, str] = {}
+        for seq_id in plan.dropped_seq_ids:
+            self._drop(seq_id)
+        for new in plan.new_sequences:
+            try:
+                self._add(new)
+            except EntryError as exc:
+                failed[new.seq_id] = str(exc)
+        runnable = []
+        for item in plan.scheduled:
+            if item.seq_id in failed:
+                continue
+            try:
+                self._schedule(item)
+            except EntryError as exc:
+                failed[item.seq_id] = str(exc)
+                self._drop(item.seq_id)
+                continue
+            runnable.append(item)
+        ok = dataclasses.replace(plan, new_sequences=(), scheduled=tuple(runnable))
+        return ok, [FailedSequence(seq_id, error) for seq_id, error in failed.items()]
+
+    def _drop(self, seq_id: str) -> None:
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None:
+            self.ledger.release(seq.block_ids)
+
+    def _add(self, new: NewSequence) -> None:
+        if new.seq_id in self.sequences:
+            self._drop(new.seq_id)  # ids are unique: whatever this is, it runs no further
+            raise EntryError(new.seq_id, "sent twice")
+        if len(new.token_ids) > self.max_model_len:
+            raise EntryError(
+                new.seq_id,
+                f"{len(new.token_ids)} tokens exceed the context of {self.max_model_len}",
+            )
+        keys = self.ledger.check_new(new)
+        self.ledger.hold(new.block_ids)
+        self.sequences[new.seq_id] = SequenceState(
+            new.seq_id,
+            list(new.token_ids),
+            new.sampling,
+            list(new.block_ids),
+            new.num_cached_tokens,
+            keys,
+        )
+
+    def _schedule(self, item: ScheduledSequence) -> None:
+        seq = self.sequences.get(item.seq_id)
+        if seq is None:
+            raise EntryError(item.seq_id, "is not known to this worker")
+        self.ledger.check_more(seq.seq_id, seq.block_ids, item.new_block_ids)
+        self.ledger.hold(item.new_block_ids)
+        seq.block_ids.extend(item.new_block_ids)
+        end = seq.num_computed + item.num_tokens
+        if item.num_tokens <= 0 or end > len(seq.tokens):
+            raise EntryError(
+                seq.seq_id,
+                f"cannot compute {item.num_tokens} tokens after "
+                f"{seq.num_computed} of {len(seq.tokens)}",
+            )
+        if end > len(seq.block_ids) * self.block_size:
+            raise EntryError(
+                seq.seq_id,
+                f"{end} tokens need more than its {len(seq.block_ids)} blocks of {self.block_size}",
+            )
+        self.ledger.will_write(seq.block_ids, seq.num_computed, end)
 
     def _build(self, plan: StepPlan) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, list[int]]:
         ids: list[int] = []
@@ -178,6 +232,7 @@ class ModelRunner:
         for item in plan.scheduled:
             seq = self.sequences[item.seq_id]
             seq.num_computed += item.num_tokens
+            self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed)
             if seq.num_computed == len(seq.tokens):
                 sampling_seqs.append(seq)
         if not sampling_seqs:

@@ -14,7 +14,7 @@ from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan, Ste
 from canteen.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker.memory import PoolSize
 from worker.observe import SequenceSpans, WorkerMetrics
-from worker.runner import ModelRunner, PlanError
+from worker.runner import ModelRunner
 
 log = get_logger(__name__)
 
@@ -43,6 +43,7 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
                 tuple(n.block_ids),
                 n.num_cached_tokens,
                 n.traceparent,
+                n.request_id,
             )
             for n in msg.new_sequences
         ),
@@ -69,6 +70,7 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
             )
             for t in result.tokens
         ],
+        failed=[worker_pb2.SequenceFailure(seq_id=f.seq_id, error=f.error) for f in result.failed],
         num_tokens=result.num_tokens,
         timings=worker_pb2.StepTimings(
             forward_ns=result.forward_ns, sample_ns=result.sample_ns, total_ns=result.total_ns
@@ -91,6 +93,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._engine = engine
         self.idle = asyncio.Event()
         self.idle.set()
+        self._is_running = False  # a Run stream is open
+        self._labels: dict[str, str] = {}  # seq id -> the client's label, for logs
 
     async def run_step(self, plan: StepPlan) -> StepResult:
         assert self.runner is not None
@@ -118,6 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             eos_token_ids=self.eos_token_ids,
             device=i.device,
             max_batched_tokens=i.max_batched_tokens,
+            vocab_size=self.runner.vocab_size,
         )
 
     async def Run(
@@ -128,28 +133,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.runner is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         assert self.runner is not None
-        # A new stream is a new scheduler session: it owns all state from here on.
-        self.runner.sequences.clear()
+        if self._is_running:
+            # One scheduler drives a worker; a second stream never replaces the first.
+            log.error("second run stream refused", peer=context.peer())
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker already serves a Run stream; one scheduler drives a worker",
+            )
+        self._is_running = True
+        self.runner.reset()
         self.idle.clear()
-        log.info("run stream opened")
+        log.info("run stream opened", peer=context.peer())
         try:
             async for msg in request_iterator:
                 plan = plan_from_pb(msg)
-                for new in plan.new_sequences:
-                    log.info(
-                        "sequence added",
-                        request_id=new.seq_id,
-                        num_tokens=len(new.token_ids),
-                        num_cached=new.num_cached_tokens,
-                    )
-                for seq_id in plan.dropped_seq_ids:
-                    log.info("sequence dropped", request_id=seq_id)
+                self._log_plan(plan)
                 self._spans.on_plan(plan)
-                try:
-                    result = await self.run_step(plan)
-                except PlanError as exc:
-                    log.error("bad plan", step_id=plan.step_id, error=str(exc))
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                result = await self.run_step(plan)
+                for failure in result.failed:
+                    label = self._labels.pop(failure.seq_id, "")
+                    log.error(
+                        "sequence refused",
+                        seq_id=failure.seq_id,
+                        request_id=label,
+                        error=failure.error,
+                    )
                 self._spans.on_result(result)
                 if self.metrics is not None:
                     self.metrics.observe_step(plan, result, len(self.runner.sequences))
@@ -159,7 +167,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 else:
                     self.idle.clear()
         finally:
-            self.runner.sequences.clear()
+            self.runner.reset()
+            self._labels.clear()
+            self._is_running = False
             self._spans.end_all()
             self.idle.set()
             log.info("run stream closed")
+
+    def _log_plan(self, plan: StepPlan) -> None:
+        for new in plan.new_sequences:
+            self._labels[new.seq_id] = new.request_id
+            log.info(
+                "sequence added",
+                seq_id=new.seq_id,
+                request_id=new.request_id,
+                num_tokens=len(new.token_ids),
+                num_cached=new.num_cached_tokens,
+            )
+        for seq_id in plan.dropped_seq_ids:
+            log.info("sequence dropped", seq_id=seq_id, request_id=self._labels.pop(seq_id, ""))

@@ -136,6 +136,7 @@ class NewSequence(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     """Sequence id, made by the scheduler and unique within the Run stream (never a client's
     label).
@@ -147,6 +148,8 @@ class NewSequence(_message.Message):
     request is not traced. The Run stream carries many requests, so the context travels with
     each sequence rather than in the stream's metadata.
     """
+    request_id: _builtins.str
+    """The client's request label, for the worker's log lines only (never a key)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """All token ids known so far: the prompt, plus tokens generated before a preemption or failover."""
@@ -168,10 +171,11 @@ class NewSequence(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_cached_tokens: _builtins.int = ...,
         traceparent: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "request_id", b"request_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -18,7 +18,7 @@ import pytest
 
 from canteen.v1 import registry_pb2, registry_pb2_grpc
 from gateway.catalog import ModelCatalog
-from tests.support.suite import ROOT, Service, Suite
+from tests.support.suite import ADMIN_KEY, ROOT, Service, Suite
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,18 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
 
 def canteen_models(registry: Service, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "canteen.cli", "models", "--registry", registry.address, *args],
+        [
+            sys.executable,
+            "-m",
+            "canteen.cli",
+            "models",
+            "--registry",
+            registry.address,
+            "--insecure",
+            "--admin-key",
+            ADMIN_KEY,
+            *args,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

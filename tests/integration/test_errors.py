@@ -27,7 +27,7 @@ BAD = [
     (
         dict(prompt="hi", temperature=-0.5),
         grpc.StatusCode.INVALID_ARGUMENT,
-        "temperature=-0.5: must be >= 0",
+        "temperature=-0.5: must be in [0, 2]",
     ),
     (
         dict(prompt="hi", top_p=0.0),
@@ -35,7 +35,11 @@ BAD = [
         "top_p=0.0: must be in (0, 1]",
     ),
     (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p=1.5"),
-    (dict(prompt="hi", top_k=-1), grpc.StatusCode.INVALID_ARGUMENT, "top_k=-1: must be >= 0"),
+    (
+        dict(prompt="hi", top_k=-1),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "top_k=-1: must be in 0..1048576",
+    ),
     (
         dict(prompt="hi", stop=["x"] * 17),
         grpc.StatusCode.INVALID_ARGUMENT,

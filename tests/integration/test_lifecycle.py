@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from canteen.tls import Tls
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc, scheduler_pb2
 from tests.integration.conftest import NUM_KV_BLOCKS, TinySuite
 from tests.support.suite import Suite, wait_serving
@@ -185,6 +187,8 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
         base = free_port()
     canteen = Path(sys.executable).parent / "canteen"
     http_port = free_port()
+    # canteen up keeps its certificates and admin key here; the CLI finds them here too.
+    env = {**os.environ, "CANTEEN_DATA_DIR": str(tmp_path / "data")}
     up = subprocess.Popen(
         [
             str(canteen),
@@ -207,6 +211,7 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        env=env,
     )
     try:
         assert up.stdout is not None
@@ -232,10 +237,23 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
         )
         assert out.returncode == 0, out.stderr
         assert "finish=length" in out.stderr and "completion_tokens=5" in out.stderr
+        # The internal ports run on mutual TLS with the suite's throwaway CA.
+        client = Tls.from_folder(tmp_path / "data" / "certs", "client")
         for port in (base + 10, base + 11):
-            wait_serving(f"127.0.0.1:{port}", "canteen.v1.Worker", 10)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x")
-        reply = client.completions.create(model="tiny", prompt="The capital", max_tokens=3)
+            wait_serving(f"127.0.0.1:{port}", "canteen.v1.Worker", 10, tls=client, role="worker")
+        with pytest.raises(TimeoutError):
+            wait_serving(f"127.0.0.1:{base + 1}", "", 2)  # plaintext: the handshake fails
+        listed = subprocess.run(
+            [str(canteen), "models", "--registry", f"127.0.0.1:{base + 2}", "list"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert "tiny:v1" in listed.stdout
+        openai_client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="x")
+        reply = openai_client.completions.create(model="tiny", prompt="The capital", max_tokens=3)
         assert reply.usage is not None and reply.usage.completion_tokens == 3
         # Every child serves metrics on its planned port; the gateway on its HTTP port too.
         scheduler = scrape(f"http://127.0.0.1:{base + 3}/metrics")

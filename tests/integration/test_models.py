@@ -16,7 +16,7 @@ import pytest
 
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support import reference
-from tests.support.suite import ROOT, Service, Suite
+from tests.support.suite import ADMIN_KEY, ROOT, Service, Suite
 from tests.support.tiny_model import build_tiny_model
 
 WORKER = ("--num-kv-blocks", "64", "--block-size", "8", "--threads", "1")
@@ -45,7 +45,18 @@ class Models:
 
 def _cli(registry: Service, *args: str) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "canteen.cli", "models", "--registry", registry.address, *args],
+        [
+            sys.executable,
+            "-m",
+            "canteen.cli",
+            "models",
+            "--registry",
+            registry.address,
+            "--insecure",
+            "--admin-key",
+            ADMIN_KEY,
+            *args,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -21,7 +21,7 @@ from canteen.v1 import (
     scheduler_pb2_grpc,
 )
 from tests.support.streams import Stream, generate, until
-from tests.support.suite import Service, Suite, wait_serving
+from tests.support.suite import ADMIN_KEY, Service, Suite, wait_serving
 
 WORKER_ARGS = ("--num-kv-blocks", "128", "--block-size", "8", "--threads", "1")
 
@@ -107,6 +107,7 @@ def test_a_registry_restart_keeps_every_model_and_workers_come_back(stack: Stack
                 )
             ),
             timeout=30,
+            metadata=(("authorization", f"Bearer {ADMIN_KEY}"),),
         )
     _kill(stack.registry)
     # The data path does not need the registry: requests go on while it is down.

@@ -16,7 +16,17 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from canteen.tls import Tls, sync_channel
+
 ROOT = Path(__file__).resolve().parents[2]
+# The registry's admin key in test suites (registry writes need one); CLI calls pass it.
+ADMIN_KEY = "test-admin-key"
+_ROLES = {
+    "registry": "registry",
+    "scheduler": "scheduler",
+    "worker": "worker",
+    "gateway": "gateway",
+}
 
 
 def free_port() -> int:
@@ -64,10 +74,15 @@ class Service:
 
 
 def wait_serving(
-    address: str, service: str, timeout: float, process: subprocess.Popen[bytes] | None = None
+    address: str,
+    service: str,
+    timeout: float,
+    process: subprocess.Popen[bytes] | None = None,
+    tls: Tls | None = None,
+    role: str = "",
 ) -> None:
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls, role) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
@@ -89,6 +104,34 @@ class Suite:
     workdir: Path
     services: list[Service] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    # Mutual TLS with the certificates in this folder (canteen certs); None: --insecure.
+    certs: Path | None = None
+    # The registry's --model-root (default: two levels above workdir, pytest's temp root).
+    model_root: Path | None = None
+
+    def tls(self, role: str = "client") -> Tls | None:
+        """``role``'s TLS material in this suite (a test's client: ``client``)."""
+        return Tls.from_folder(self.certs, role) if self.certs is not None else None
+
+    def security_args(self, module: str) -> list[str]:
+        role = _ROLES.get(module)
+        if role is None:
+            return []
+        if self.certs is None:
+            return ["--insecure"]
+        return [
+            "--tls-cert",
+            str(self.certs / f"{role}.pem"),
+            "--tls-key",
+            str(self.certs / f"{role}.key"),
+            "--tls-ca",
+            str(self.certs / "ca.pem"),
+        ]
+
+    def channel(self, svc: Service, role: str = "client") -> grpc.Channel:
+        """A blocking channel to ``svc`` presenting ``role``'s certificate (or plaintext)."""
+        tls = None if svc.module == "gateway" else self.tls(role)
+        return sync_channel(svc.address, tls, _ROLES.get(svc.module, svc.module))
 
     def spawn(
         self,
@@ -121,6 +164,7 @@ class Suite:
                 str(port),
                 "--metrics-port",
                 str(metrics_port),
+                *self.security_args(module),
                 *args,
             ],
             cwd=ROOT,
@@ -131,8 +175,16 @@ class Suite:
         svc = Service(name, port, service, process, log_path, metrics_port=metrics_port)
         svc.module, svc.args = module, list(args)
         self.services.append(svc)
+        tls = None if module == "gateway" else self.tls()
         try:
-            wait_serving(svc.address, service if wait_ready else "", ready_timeout, process)
+            wait_serving(
+                svc.address,
+                service if wait_ready else "",
+                ready_timeout,
+                process,
+                tls,
+                _ROLES.get(module, ""),
+            )
         except Exception as exc:
             raise RuntimeError(f"{name} did not start:\n{svc.log()[-4000:]}") from exc
         return svc
@@ -144,8 +196,17 @@ class Suite:
         )
 
     def start_registry(self, *args: str) -> Service:
+        """With the test admin key, and model roots of the whole temp tree (tests add
+        models they built in their own temp folders)."""
         db = str(self.workdir / "registry.db")
-        return self.spawn("registry", "registry", ["--db", db, *args], "canteen.v1.Registry")
+        keys = self.workdir / "admin-keys.txt"
+        keys.write_text(ADMIN_KEY + "\n")
+        parents = self.workdir.resolve().parents
+        root = self.model_root or (parents[1] if len(parents) > 1 else self.workdir)
+        security = ["--admin-keys-file", str(keys), "--model-root", str(root)]
+        return self.spawn(
+            "registry", "registry", ["--db", db, *security, *args], "canteen.v1.Registry"
+        )
 
     def start_tiny_registry(self, model_dir: Path, *args: str) -> Service:
         """A registry serving only the tiny test model, as ``tiny:v1``, the default."""
@@ -223,16 +284,21 @@ def default_model_stack(
     scheduler_args: Sequence[str] = (),
     worker_args: Sequence[str] = (),
     gateway_args: Sequence[str] = (),
+    certs: Path | None = None,
 ) -> Iterator[Stack]:
+    """The suite on SmolLM2; mutual TLS with ``certs`` (a ``canteen certs`` folder), else
+    plaintext internal links."""
     from canteen.models import DEFAULT_MODEL_NAME
 
     workdir.mkdir(parents=True, exist_ok=True)
-    suite = Suite(workdir)
+    suite = Suite(workdir, certs=certs)
     try:
         registry = suite.start_registry()
         scheduler = suite.start_scheduler(registry, *scheduler_args)
         worker = suite.start_worker(registry, DEFAULT_MODEL_NAME, *worker_args)
-        wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
+        wait_serving(
+            scheduler.address, "canteen.v1.Scheduler", 120, tls=suite.tls(), role="scheduler"
+        )
         gateway = suite.start_gateway(registry, scheduler, *gateway_args)
         yield Stack(registry, scheduler, worker, gateway)
     finally:

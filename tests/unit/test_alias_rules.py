@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from canteen.auth import ApiKeys
 from canteen.v1 import registry_pb2 as pb
 from canteen.v1 import registry_pb2_grpc
 from registry.aliases import (
@@ -96,12 +97,27 @@ async def test_a_model_cannot_take_the_name_of_another_models_alias() -> None:
 @pytest.fixture
 async def stub() -> AsyncIterator[registry_pb2_grpc.RegistryStub]:
     server = grpc.aio.server()
-    registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(_registry()), server)
+    registry_pb2_grpc.add_RegistryServicer_to_server(
+        RegistryServicer(_registry(), ApiKeys(["admin-k"])), server
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield registry_pb2_grpc.RegistryStub(channel)
     await server.stop(None)
+
+
+ADMIN = (("authorization", "Bearer admin-k"),)
+
+
+async def test_alias_writes_need_the_admin_key(stub: registry_pb2_grpc.RegistryStub) -> None:
+    for metadata in ((), (("authorization", "Bearer wrong"),)):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SetAlias(_request("smollm2", ("v1", 1)), metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (info.value.details() or "").startswith("admin key: ")
+    listing = await stub.ListModels(pb.ListModelsRegistryRequest())
+    assert list(listing.aliases) == []  # nothing was written
 
 
 def _request(name: str, *targets: tuple[str, int], model: str = "") -> pb.SetAliasRequest:
@@ -115,7 +131,7 @@ def _request(name: str, *targets: tuple[str, int], model: str = "") -> pb.SetAli
 
 
 async def test_set_alias_over_grpc_lists_it(stub: registry_pb2_grpc.RegistryStub) -> None:
-    stored = await stub.SetAlias(_request("smollm2", ("v1", 90), ("v2", 10)))
+    stored = await stub.SetAlias(_request("smollm2", ("v1", 90), ("v2", 10)), metadata=ADMIN)
     assert stored.model == "smollm2"  # an empty model means the alias's own name
     listing = await stub.ListModels(pb.ListModelsRegistryRequest())
     assert [(a.name, [(t.version, t.weight) for t in a.targets]) for a in listing.aliases] == [
@@ -139,7 +155,7 @@ async def test_bad_aliases_get_status_codes(
     message: str,
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.SetAlias(request_)
+        await stub.SetAlias(request_, metadata=ADMIN)
     assert info.value.code() == code
     assert message in (info.value.details() or "")
 
@@ -148,6 +164,6 @@ async def test_deleting_a_missing_alias_is_not_found(
     stub: registry_pb2_grpc.RegistryStub,
 ) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.DeleteAlias(pb.DeleteAliasRequest(name="smollm2"))
+        await stub.DeleteAlias(pb.DeleteAliasRequest(name="smollm2"), metadata=ADMIN)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert info.value.details() == "alias 'smollm2' does not exist (known: none)"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import (
+from canteen.auth import (
     ANONYMOUS,
     ApiKeys,
     AuthenticationError,

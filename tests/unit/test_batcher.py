@@ -42,6 +42,7 @@ def make_seq(
     start = 100 + 13 * (sum(map(ord, request_id)) % 7)
     return Sequence(
         request_id=request_id,
+        seq_id=request_id,  # the scheduler's own id; named like the label here for reading
         prompt_ids=[start + i for i in range(prompt_len)],
         max_tokens=max_tokens,
         sampling=Sampling(temperature=0.0),

@@ -66,7 +66,7 @@ def make(num_blocks: int = 32, enable: bool = True) -> BatchScheduler:
 
 
 def seq(rid: str, prompt: list[int], max_tokens: int = 6) -> Sequence:
-    return Sequence(rid, list(prompt), max_tokens, Sampling(temperature=0.0))
+    return Sequence(rid, list(prompt), max_tokens, Sampling(temperature=0.0), seq_id=rid)
 
 
 def run(sched: BatchScheduler, worker: KVWorker, limit: int = 500) -> None:

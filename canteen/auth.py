@@ -6,6 +6,7 @@ A keys file holds one key a line, optionally followed by options that scope it::
     sk-alpha                               all models, the gateway's rate limits
     sk-beta   models=smollm2,tiny          only these models
     sk-gamma  models=tiny rpm=30 tpm=0     and its own limits (0 = unlimited)
+    sk-ops    priority=10                  may ask for priority up to 10 (default ceiling: 0)
 
 The environment form is a comma-separated list of plain keys (all models, default limits).
 A key is known by its id, the first 8 hex digits of its sha256 digest, so logs and error
@@ -20,7 +21,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_OPTIONS = ("models", "rpm", "tpm")
+from canteen.plan import MAX_PRIORITY, MIN_PRIORITY
+
+_OPTIONS = ("models", "rpm", "tpm", "priority")
+_OPTIONS_TEXT = "options are models=, rpm=, tpm= and priority="
+
+
+class PriorityNotAllowedError(PermissionError):
+    """The request asks for more priority than its key may (gRPC PERMISSION_DENIED, 403)."""
+
+    def __init__(self, key_id: str, asked: int, ceiling: int) -> None:
+        super().__init__(
+            f"priority={asked}: API key {key_id} may ask for at most {ceiling} "
+            "(priority= in the keys file)"
+        )
 
 
 class AuthenticationError(Exception):
@@ -54,6 +68,13 @@ class Principal:
     """Requests per minute for this key; None for the gateway's default, 0 for unlimited."""
     tpm: int | None = None
     """Tokens per minute for this key; None for the gateway's default, 0 for unlimited."""
+    max_priority: int | None = None
+    """Highest priority the key's requests may ask for; None: no ceiling (no keys)."""
+
+    def require_priority(self, priority: int) -> None:
+        """Raises PriorityNotAllowedError when ``priority`` is above the key's ceiling."""
+        if self.max_priority is not None and priority > self.max_priority:
+            raise PriorityNotAllowedError(self.key_id, priority, self.max_priority)
 
     def allows(self, model: str) -> bool:
         """Whether the key may use ``model`` (a name, or a ``name:version`` ref)."""
@@ -79,6 +100,7 @@ class KeySpec:
     models: frozenset[str] | None = None
     rpm: int | None = None
     tpm: int | None = None
+    priority: int | None = None
 
 
 def key_id(key: str) -> str:
@@ -97,11 +119,10 @@ def parse_key_line(line: str) -> KeySpec:
         name, sep, value = option.partition("=")
         if not sep:
             raise ValueError(
-                "unexpected text after the key (keys cannot contain spaces); "
-                "options are models=, rpm= and tpm="
+                f"unexpected text after the key (keys cannot contain spaces); {_OPTIONS_TEXT}"
             )
         if name not in _OPTIONS:
-            raise ValueError(f"unknown option {name!r}; options are models=, rpm= and tpm=")
+            raise ValueError(f"unknown option {name!r}; {_OPTIONS_TEXT}")
         if name in values:
             raise ValueError(f"option {name}= is given twice")
         values[name] = value
@@ -110,7 +131,20 @@ def parse_key_line(line: str) -> KeySpec:
         _parse_models(values["models"]) if "models" in values else None,
         _parse_limit("rpm", values["rpm"]) if "rpm" in values else None,
         _parse_limit("tpm", values["tpm"]) if "tpm" in values else None,
+        _parse_priority(values["priority"]) if "priority" in values else None,
     )
+
+
+def _parse_priority(value: str) -> int:
+    try:
+        priority = int(value)
+    except ValueError:
+        priority = MAX_PRIORITY + 1
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(
+            f"priority={value!r}: must be a whole number in {MIN_PRIORITY}..{MAX_PRIORITY}"
+        )
+    return priority
 
 
 def _parse_models(value: str) -> frozenset[str]:
@@ -137,7 +171,8 @@ class ApiKeys:
             if not spec.key:
                 continue
             digest = hashlib.sha256(spec.key.encode()).digest()
-            principal = Principal(digest.hex()[:8], spec.models, spec.rpm, spec.tpm)
+            ceiling = spec.priority if spec.priority is not None else 0
+            principal = Principal(digest.hex()[:8], spec.models, spec.rpm, spec.tpm, ceiling)
             known = by_id.get(principal.key_id)
             if known is None:
                 by_id[principal.key_id] = (digest, principal)

@@ -1,0 +1,104 @@
+"""What mutual TLS on every internal link costs: the same suite with mTLS vs --insecure.
+
+Two suites on SmolLM2 run side by side on this machine (each idle while the other is
+measured): one whose registry, scheduler, worker and gateway talk over mutual TLS with
+certificates from a throwaway CA, one started with --insecure. Each round runs N concurrent
+greedy streams of M new tokens (ignore_eos) through each gateway's gRPC port, alternating
+which goes first, with prompts no earlier round used (neither prefix cache helps). The
+ratio per round is paired.
+
+Usage: python bench/mtls.py [--streams 16] [--tokens 64] [--rounds 4] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.throughput import QUESTIONS
+from canteen.certs import make_suite_certs
+from canteen.v1 import inference_pb2, inference_pb2_grpc
+from tests.support.suite import default_model_stack
+
+
+async def throughput(address: str, n: int, tokens: int, tag: str) -> float:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        async def one(i: int) -> int:
+            req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
+            question = QUESTIONS[i % len(QUESTIONS)]
+            req.messages.messages.add(role="user", content=f"({tag}, {i}) {question}")
+            return sum([len(m.token_ids) async for m in stub.Generate(req, timeout=600)])
+
+        start = time.perf_counter()
+        produced = sum(await asyncio.gather(*(one(i) for i in range(n))))
+    assert produced == n * tokens, produced
+    return produced / (time.perf_counter() - start)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    results: dict[str, list[float]] = {"mtls": [], "insecure": []}
+    kv = ["--kv-cache-memory", "512MiB"]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stacks:
+        certs = Path(tmp) / "certs"
+        make_suite_certs(certs)
+        gateways = {
+            "mtls": stacks.enter_context(
+                default_model_stack(Path(tmp) / "mtls", worker_args=kv, certs=certs)
+            ).gateway.address,
+            "insecure": stacks.enter_context(
+                default_model_stack(Path(tmp) / "insecure", worker_args=kv)
+            ).gateway.address,
+        }
+        for kind, address in gateways.items():  # warm both
+            asyncio.run(throughput(address, 2, 4, f"warm {kind}"))
+        for r in range(args.rounds):
+            order = ["mtls", "insecure"] if r % 2 == 0 else ["insecure", "mtls"]
+            for kind in order:
+                tps = asyncio.run(throughput(gateways[kind], args.streams, args.tokens, f"r{r}"))
+                results[kind].append(tps)
+                print(f"round {r + 1} {kind}: {tps:.1f} tok/s", flush=True)
+    paired = [m / i for m, i in zip(results["mtls"], results["insecure"], strict=True)]
+    report = {
+        "cpu": cpu_model(),
+        "streams": args.streams,
+        "tokens": args.tokens,
+        "tok_per_s": results,
+        "mtls_over_insecure_per_round": [round(p, 3) for p in paired],
+        "mtls_over_insecure_median": round(statistics.median(paired), 3),
+    }
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
