@@ -12,10 +12,10 @@ import grpc
 from canteen import certs
 from canteen.bench import cli as bench_cli
 from canteen.chaos import cli as chaos_cli
-from canteen.launcher import Launcher, SuiteLayout
 from canteen.local import add_client_flags, admin_metadata, client_tls
 from canteen.models import MAX_ALIAS_WEIGHT
 from canteen.tls import aio_channel
+from canteen.up import cli as up_cli
 from canteen.v1 import (
     common_pb2,
     inference_pb2,
@@ -27,23 +27,6 @@ from canteen.v1 import (
 _FINISH_NAMES = {
     v: k.removeprefix("FINISH_REASON_").lower() for k, v in common_pb2.FinishReason.items()
 }
-
-
-def _up(args: argparse.Namespace) -> int:
-    layout = SuiteLayout(
-        base_port=args.base_port,
-        num_workers=args.workers,
-        model=args.model,
-        add_models=args.add_model,
-        db=args.db,
-        worker_args=args.worker_arg,
-        host=args.host,
-        http_port=args.http_port,
-        otlp_endpoint=args.otlp_endpoint,
-        insecure=args.insecure,
-        model_roots=tuple(args.model_root),
-    )
-    return asyncio.run(Launcher(layout).run(ready_timeout=args.ready_timeout))
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -202,55 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="canteen", description="Canteen LLM inference suite")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="run registry, scheduler, workers and gateway")
-    up.add_argument(
-        "--base-port",
-        type=int,
-        default=50051,
-        help="gateway port; scheduler +1, registry +2, workers +10..",
-    )
-    up.add_argument(
-        "--http-port", type=int, default=8080, help="OpenAI-compatible HTTP port (-1: off)"
-    )
-    up.add_argument("--workers", type=int, default=1, help="number of workers")
-    up.add_argument(
-        "--otlp-endpoint",
-        default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
-        help="send traces of gateway, scheduler and workers to this OTLP/gRPC endpoint",
-    )
-    up.add_argument("--model", default="", help="model the workers serve (default: SmolLM2)")
-    up.add_argument(
-        "--add-model",
-        action="append",
-        default=[],
-        metavar="NAME:VERSION=PATH",
-        help="register a model at start (repeatable)",
-    )
-    up.add_argument("--db", default="", help="registry database (default: a per-user file)")
-    up.add_argument("--host", default="127.0.0.1", help="interface the gateway binds")
-    up.add_argument(
-        "--worker-arg",
-        action="append",
-        default=[],
-        help="extra flag for every worker, e.g. --worker-arg=--num-kv-blocks=64",
-    )
-    up.add_argument(
-        "--insecure",
-        action="store_true",
-        help="plaintext internal links (default: mutual TLS with a CA made at start)",
-    )
-    up.add_argument(
-        "--model-root",
-        action="append",
-        default=[],
-        help="folder `canteen models add` may register from (repeatable; default: your home)",
-    )
-    up.add_argument(
-        "--ready-timeout",
-        type=float,
-        default=600.0,
-        help="seconds to wait for every service to be ready",
-    )
+    up_cli.add_parser(sub)
 
     gen = sub.add_parser("generate", help="stream an answer to the terminal")
     gen.add_argument("prompt")
@@ -281,8 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         certs.main(argv[1:])
         sys.exit(0)
     args = build_parser().parse_args(argv)
-    if args.command == "up":
-        sys.exit(_up(args))
+    if args.command == up_cli.COMMAND:
+        sys.exit(up_cli.run(args))
     if args.command == "generate":
         sys.exit(asyncio.run(_generate(args)))
     if args.command in bench_cli.COMMANDS:

@@ -132,7 +132,9 @@ async def serve(config: GatewayConfig, tls: Tls | None) -> None:
     )
     await runtime.start([SERVICE_NAME])
     admin_keys = ApiKeys.load(config.admin_keys_file, config.admin_keys)
-    edge = HttpEdge(service, keys, config.max_body_bytes, metrics_registry, admin_keys)
+    edge = HttpEdge(
+        service, keys, config.max_body_bytes, metrics_registry, admin_keys, config.suite_state
+    )
     public = (config.public_tls_cert, config.public_tls_key) if config.public_tls_cert else None
     http = await start_http(edge, host, config.http_port, public) if config.http_port >= 0 else None
     metrics_http = await start_metrics_http(metrics_registry, host, config.metrics_port)

@@ -52,6 +52,9 @@ class GatewayConfig(InternalLinkOptions):
     allow_unauthenticated: bool = option(
         False, "serve without API keys on a non-loopback interface (anyone can use it)"
     )
+    suite_state: str = option(
+        "", "state file of the canteen up that runs this gateway: /status shows its services"
+    )
     cache_isolation: str = option(
         "shared",
         "prefix cache between API keys: 'shared' (one cache) or 'key' (each key its own; "

@@ -113,6 +113,7 @@ class HttpEdge:
         max_body_bytes: int,
         metrics_registry: CollectorRegistry,
         admin_keys: ApiKeys | None = None,
+        suite_state: str = "",
     ) -> None:
         self.service = service
         self.keys = keys
@@ -130,7 +131,7 @@ class HttpEdge:
                 web.post("/detokenize", self.detokenize),
                 web.get("/healthz", self.healthz),
                 web.get("/metrics", metrics_handler(metrics_registry)),
-                *status_routes(service.scheduler),
+                *status_routes(service.scheduler, suite_state),
             ]
         )
 

@@ -3,24 +3,42 @@
 
 The JSON is the scheduler's view of each worker (its running batch, its queue and its KV block
 map, from ``Scheduler/GetStats``) and nothing from users' requests beyond their ids and sizes.
+Under ``canteen up`` (``--suite-state``) it also lists the suite's processes from the
+launcher's state file: each one's state, PID, port and restarts.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import grpc
 from aiohttp import web
 
+from canteen.up.state import read_state
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+_CHILD_FIELDS = ("name", "state", "pid", "port", "restarts", "last_exit", "since")
 
-async def status_json(scheduler: scheduler_pb2_grpc.SchedulerStub) -> dict[str, Any]:
+
+async def status_json(
+    scheduler: scheduler_pb2_grpc.SchedulerStub, suite_state: str = ""
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"suite": suite_json(Path(suite_state))} if suite_state else {}
     try:
         stats = await scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=2)
     except grpc.aio.AioRpcError as exc:
-        return {"scheduler": f"unreachable: {exc.code().name}", "workers": []}
-    return {"scheduler": "ok", "workers": [_worker_json(w) for w in stats.workers]}
+        return {**body, "scheduler": f"unreachable: {exc.code().name}", "workers": []}
+    return {**body, "scheduler": "ok", "workers": [_worker_json(w) for w in stats.workers]}
+
+
+def suite_json(path: Path) -> dict[str, Any]:
+    """The processes of the ``canteen up`` that wrote ``path`` (a small local file)."""
+    state = read_state(path)
+    if state is None:
+        return {"state": "unknown", "message": f"no state in {path}", "children": []}
+    children = [{k: getattr(c, k) for k in _CHILD_FIELDS} for c in state.children]
+    return {"state": state.state, "message": state.message, "children": children}
 
 
 def _worker_json(w: scheduler_pb2.WorkerStats) -> dict[str, Any]:
@@ -53,12 +71,14 @@ def _worker_json(w: scheduler_pb2.WorkerStats) -> dict[str, Any]:
     }
 
 
-def status_routes(scheduler: scheduler_pb2_grpc.SchedulerStub) -> list[web.RouteDef]:
+def status_routes(
+    scheduler: scheduler_pb2_grpc.SchedulerStub, suite_state: str = ""
+) -> list[web.RouteDef]:
     async def page(_request: web.Request) -> web.Response:
         return web.Response(text=PAGE, content_type="text/html")
 
     async def data(_request: web.Request) -> web.Response:
-        return web.json_response(await status_json(scheduler))
+        return web.json_response(await status_json(scheduler, suite_state))
 
     return [web.get("/status", page), web.get("/status.json", data)]
 
@@ -76,9 +96,11 @@ td, th { padding: 2px 10px; border-bottom: 1px solid #eee; text-align: left; }
 .map i { width: 10px; height: 10px; display: block; }
 .U { background: #d9480f; } .C { background: #1c7ed6; } .F { background: #dee2e6; }
 .legend i { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 10px; }
+#services tr.backoff td, #services tr.down td { color: #c92a2a; }
 </style></head>
 <body>
 <h1>Canteen status <small id="updated"></small></h1>
+<div id="suite"></div>
 <div id="scheduler"></div>
 <div id="workers"></div>
 <script>
@@ -125,10 +147,31 @@ function renderWorker(w) {
   box.appendChild(table);
   return box;
 }
+function renderSuite(suite) {
+  const box = el("div");
+  const why = suite.message ? " - " + suite.message : "";
+  box.appendChild(el("h2", {}, "services: " + suite.state + why));
+  const table = el("table", {id: "services"});
+  const head = el("tr");
+  for (const h of ["service", "state", "pid", "port", "restarts", "last exit"]) {
+    head.appendChild(el("th", {}, h));
+  }
+  table.appendChild(head);
+  for (const c of suite.children) {
+    const row = el("tr", {class: "child " + c.state, "data-name": c.name});
+    for (const v of [c.name, c.state, c.pid || "-", c.port, c.restarts, c.last_exit || "-"]) {
+      row.appendChild(el("td", {}, String(v)));
+    }
+    table.appendChild(row);
+  }
+  box.appendChild(table);
+  return box;
+}
 async function refresh() {
   try {
     const r = await fetch("status.json", {cache: "no-store"});
     const s = await r.json();
+    document.getElementById("suite").replaceChildren(...(s.suite ? [renderSuite(s.suite)] : []));
     document.getElementById("scheduler").textContent = "scheduler: " + s.scheduler;
     const list = document.getElementById("workers");
     list.replaceChildren(...s.workers.map(renderWorker));
