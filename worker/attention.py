@@ -37,6 +37,7 @@ class PrefillSpan:
     q_len: int
     ctx_len: int
     block_ids: torch.Tensor
+    slots: torch.Tensor  # the ctx_len slots of the sequence, in order (worker/model.py)
 
 
 @dataclass
@@ -46,6 +47,8 @@ class DecodeGroup:
     index: torch.Tensor
     block_tables: torch.Tensor
     mask: torch.Tensor
+    slots: torch.Tensor  # [B * L] every row's slots, padded (worker/model.py)
+    bias: torch.Tensor  # [B, 1, L] 0 or -inf: the padding, as an additive bias
 
 
 @dataclass

@@ -80,14 +80,8 @@ class ModelRunner:
         batch, input_ids, positions, sample_rows = self._build(plan)
         forward_start = time.perf_counter_ns()
         with torch.inference_mode():
-            keep = sample_rows or [input_ids.shape[1] - 1]
-            logits = self.loaded.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, device=self.loaded.device),
-                paged_batch=batch,
-            ).logits[0]
+            keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
+            logits = self.loaded.forward(input_ids, positions, batch, keep)
         sample_start = time.perf_counter_ns()
         tokens = self._sample_and_advance(plan, logits, sample_rows)
         done = time.perf_counter_ns()
@@ -204,14 +198,20 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             max_scores=self.max_batched_tokens**2,
             decodes=[self._decode_group(g) for g in group_decodes(decodes, self.num_blocks)],
-            prefills=[
-                PrefillSpan(s, q, c, torch.tensor(b, dtype=torch.long, device=device))
-                for s, q, c, b in spans
-            ],
+            prefills=[self._prefill_span(*span) for span in spans],
         )
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        positions = torch.tensor([pos], dtype=torch.long, device=device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        positions = torch.tensor(pos, dtype=torch.long, device=device)
         return batch, input_ids, positions, sample_rows
+
+    def _slots(self, block_tables: torch.Tensor) -> torch.Tensor:
+        """[..., n] block ids -> [..., n * block_size] slot ids, in token order."""
+        offsets = torch.arange(self.block_size, device=block_tables.device)
+        return (block_tables.unsqueeze(-1) * self.block_size + offsets).flatten(-2)
+
+    def _prefill_span(self, start: int, q_len: int, ctx_len: int, blocks: list[int]) -> PrefillSpan:
+        block_ids = torch.tensor(blocks, dtype=torch.long, device=self.loaded.device)
+        return PrefillSpan(start, q_len, ctx_len, block_ids, self._slots(block_ids)[:ctx_len])
 
     def _decode_group(self, group: list[tuple[int, list[int], int]]) -> DecodeGroup:
         device = self.loaded.device
@@ -219,10 +219,15 @@ class ModelRunner:
         padded = [table + [0] * (width - len(table)) for _, table, _ in group]
         lens = torch.tensor([n for _, _, n in group], device=device)
         keys = torch.arange(width * self.block_size, device=device)
+        mask = keys.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
+        block_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        bias = torch.zeros(mask.shape, dtype=self.loaded.dtype, device=device)
         return DecodeGroup(
             index=torch.tensor([row for row, _, _ in group], dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
-            mask=(keys.unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :],
+            block_tables=block_tables,
+            mask=mask[:, None, None, :],
+            slots=self._slots(block_tables).flatten(),
+            bias=bias.masked_fill_(~mask, float("-inf")).unsqueeze(1),
         )
 
     def _sample_and_advance(

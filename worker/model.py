@@ -1,0 +1,180 @@
+"""Canteen's own forward for llama-like families: fewer, bigger ops per layer.
+
+transformers loads the weights; this module takes them over once at load:
+
+    q, k, v projections   -> one fused QKV linear     (worker/quant.py prepares the kernel)
+    gate, up projections  -> one fused gate-up linear
+    attention             -> worker/paged_attention.py, reading the paged pool directly
+    rotary                -> applied to q and k together, cos/sin computed once per step
+
+Norms, the rotary tables and the activation are transformers' own modules, so what they
+compute is the reference's computation. A family is listed in FAMILIES only when this file
+reproduces it exactly; the loader keeps transformers' forward for every other one (olmo2:
+its norms sit after attention and MLP, and its q/k norms span all heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from worker.attention import PagedBatch
+from worker.paged_attention import layer_view, paged_attention
+from worker.quant import Linear, Q4Groups, make_linear
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family computes beyond plain llama."""
+
+    has_qk_norm: bool = False  # qwen3: RMSNorm over each head of q and k, before rotary
+    has_multipliers: bool = False  # granite: embedding, attention, residual, logits scales
+
+
+FAMILIES = {
+    "llama": Family(),
+    "mistral": Family(),
+    "qwen2": Family(),  # biased q/k/v: the fused linear carries the concatenated biases
+    "qwen3": Family(has_qk_norm=True),
+    "granite": Family(has_multipliers=True),
+}
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float  # of q.k before softmax
+    residual: float = 1.0
+    embedding: float = 1.0
+    logits: float = 1.0
+
+
+def _fused_linear(
+    mods: list[nn.Linear], names: list[str], quantization: str, q4: dict[str, Q4Groups]
+) -> Linear:
+    """One linear computing ``mods`` side by side: their weights (and biases) stacked."""
+    weight = torch.cat([m.weight for m in mods]) if len(mods) > 1 else mods[0].weight
+    bias = None
+    if any(m.bias is not None for m in mods):
+        zeros = [m.weight.new_zeros(m.out_features) for m in mods]
+        bias = torch.cat(
+            [m.bias if m.bias is not None else z for m, z in zip(mods, zeros, strict=True)]
+        )
+    exact = [q4[n] for n in names if n in q4]
+    groups = Q4Groups.cat(exact) if len(exact) == len(names) else None
+    return make_linear(
+        weight.detach(), None if bias is None else bias.detach(), quantization, groups
+    )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb, op for op: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+class Layer:
+    def __init__(
+        self, hf: nn.Module, prefix: str, shape: Shape, quantization: str, q4: dict[str, Q4Groups]
+    ) -> None:
+        attn: nn.Module = hf.self_attn  # type: ignore[assignment]
+        mlp: nn.Module = hf.mlp  # type: ignore[assignment]
+
+        def fused(owner: nn.Module, kind: str, parts: list[str]) -> Linear:
+            mods = [getattr(owner, f"{p}_proj") for p in parts]
+            names = [f"{prefix}.{kind}.{p}_proj.weight" for p in parts]
+            return _fused_linear(mods, names, quantization, q4)
+
+        self.qkv = fused(attn, "self_attn", ["q", "k", "v"])
+        self.o = fused(attn, "self_attn", ["o"])
+        self.gate_up = fused(mlp, "mlp", ["gate", "up"])
+        self.down = fused(mlp, "mlp", ["down"])
+        self.input_norm: nn.Module = hf.input_layernorm  # type: ignore[assignment]
+        self.post_norm: nn.Module = hf.post_attention_layernorm  # type: ignore[assignment]
+        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
+        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        self.act: nn.Module = mlp.act_fn  # type: ignore[assignment]
+        self.shape = shape
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pool: torch.Tensor,
+        batch: PagedBatch,
+    ) -> torch.Tensor:
+        s, tokens = self.shape, x.shape[0]
+        qkv = self.qkv(self.input_norm(x))
+        q_end, k_end = s.heads * s.head_dim, (s.heads + s.kv_heads) * s.head_dim
+        if self.q_norm is None or self.k_norm is None:
+            qk = _rotate(qkv[:, :k_end].view(tokens, -1, s.head_dim), cos, sin)
+            q, k = qk[:, : s.heads], qk[:, s.heads :]
+        else:
+            q = _rotate(self.q_norm(qkv[:, :q_end].view(tokens, -1, s.head_dim)), cos, sin)
+            k = _rotate(self.k_norm(qkv[:, q_end:k_end].view(tokens, -1, s.head_dim)), cos, sin)
+        v = qkv[:, k_end:].view(tokens, -1, s.head_dim)
+        out = self.o(paged_attention(pool, q, k, v, batch, s.scale))
+        x = x + (out if s.residual == 1.0 else out * s.residual)
+        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
+        out = self.down(self.act(gate) * up)
+        return x + (out if s.residual == 1.0 else out * s.residual)
+
+
+class FastModel:
+    """The decoder over one flattened step: token ids [T] -> logits [len(keep), vocab]."""
+
+    def __init__(self, hf: PreTrainedModel, quantization: str, q4: dict[str, Q4Groups]) -> None:
+        config = hf.config
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        scaled = FAMILIES[config.model_type].has_multipliers
+        self.shape = Shape(
+            heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            scale=config.attention_multiplier if scaled else head_dim**-0.5,
+            residual=config.residual_multiplier if scaled else 1.0,
+            embedding=config.embedding_multiplier if scaled else 1.0,
+            logits=config.logits_scaling if scaled else 1.0,
+        )
+        body = hf.model
+        self.embed = body.embed_tokens.weight.detach()
+        self.rotary, self.norm = body.rotary_emb, body.norm
+        self.layers = [
+            Layer(layer, f"model.layers.{i}", self.shape, quantization, q4)
+            for i, layer in enumerate(body.layers)
+        ]
+        # The head decides every token: it stays at 8 bits under int4.
+        head_quantization = "int8" if quantization == "int4" else quantization
+        self.lm_head = make_linear(hf.lm_head.weight.detach(), hf.lm_head.bias, head_quantization)
+        for layer in body.layers:
+            # The fused copies replace these; free transformers' per-projection weights.
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(layer.self_attn, name, None)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                setattr(layer.mlp, name, None)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PagedBatch,
+        keep: torch.Tensor,
+    ) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        if self.shape.embedding != 1.0:
+            x = x * self.shape.embedding
+        cos, sin = self.rotary(x, positions.unsqueeze(0))
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, layer_view(batch.kv_pool, i), batch)
+        logits = self.lm_head(self.norm(x.index_select(0, keep)))
+        return logits if self.shape.logits == 1.0 else logits / self.shape.logits

@@ -1,0 +1,116 @@
+"""Linear layers prepared once at load for the device's matmul kernel.
+
+    none  dense weights in the model's dtype. float32 on CPU computes ``(W @ x.T).T`` for
+          decode-sized inputs (MKL's GEMM is slow on skinny activations).
+    int8  one int8 per weight, one scale per output row: ``torch._weight_int8pack_mm``.
+    int4  4-bit weights in groups of 32 along the input, each group with a scale and a zero
+          point: ``aten._weight_int4pack_mm_for_cpu``. Its dequantized weight is
+          ``(q - 8) * scale + zero``, so a GGUF Q4_1 block (``d * q + m``) fits exactly as
+          ``scale = d, zero = m + 8 d`` (see worker/gguf_q4.py).
+
+Both low-bit kernels are fast only with bfloat16 activations on this CPU (float32 and float16
+activations ran 10-50x slower), so quantized layers compute in bfloat16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("none", "int8", "int4")
+GROUP_SIZE = 32
+SKINNY_MAX_ROWS = 64  # decode-sized inputs: see worker/fast_linear.py
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Q4Groups:
+    """Unsigned 4-bit weights with an affine map per group of 32: ``w = d * q + m``."""
+
+    q: torch.Tensor  # [out, in] uint8 in 0..15
+    d: torch.Tensor  # [out, in // 32] float32
+    m: torch.Tensor  # [out, in // 32] float32
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        w = self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.d.unsqueeze(-1)
+        return (w + self.m.unsqueeze(-1)).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Q4Groups]) -> Q4Groups:
+        return Q4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+
+
+def q4_from_float(weight: torch.Tensor) -> Q4Groups:
+    """Asymmetric round-to-nearest per group of 32 (what Q4_1 does)."""
+    n, k = weight.shape
+    groups = weight.float().view(n, k // GROUP_SIZE, GROUP_SIZE)
+    low, high = groups.amin(-1), groups.amax(-1)
+    d = ((high - low) / 15).clamp_min(1e-12)
+    q = ((groups - low.unsqueeze(-1)) / d.unsqueeze(-1)).round().clamp(0, 15)
+    return Q4Groups(q.to(torch.uint8).view(n, k), d, low)
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.is_skinny = weight.device.type == "cpu" and weight.dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_skinny and x.shape[0] <= SKINNY_MAX_ROWS:
+            out = (self.weight @ x.T).T
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.float()
+        self.scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        self.weight = (w / self.scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
+        self.scales = self.scales.to(torch.bfloat16)
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch._weight_int8pack_mm(x, self.weight, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+class Int4Linear:
+    def __init__(self, groups: Q4Groups, bias: torch.Tensor | None) -> None:
+        self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.int(), 1)
+        zeros = groups.m + 8 * groups.d
+        # [in // 32, out, 2]: the kernel's layout of (scale, zero) per group.
+        self.scales_and_zeros = (
+            torch.stack([groups.d, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        )
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.weight, GROUP_SIZE, self.scales_and_zeros
+        )
+        return out if self.bias is None else out + self.bias
+
+
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantization: str,
+    q4: Q4Groups | None = None,
+) -> Linear:
+    """The layer for ``weight`` [out, in]; ``q4`` carries exact 4-bit values when known."""
+    if quantization == "none":
+        return DenseLinear(weight, bias)
+    if quantization == "int8":
+        return Int8Linear(weight, bias)
+    if quantization == "int4":
+        if weight.shape[1] % GROUP_SIZE:
+            return Int8Linear(weight, bias)  # no whole groups: int8 is the next best
+        return Int4Linear(q4 if q4 is not None else q4_from_float(weight), bias)
+    raise ValueError(f"quantization={quantization!r}: expected one of {QUANTIZATIONS}")
