@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -24,7 +25,7 @@ from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
 from worker.engine import MainThreadExecutor
-from worker.loader import LoadedModel, ModelLoadError, load_model, pick_device, pick_dtype
+from worker.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
 from worker.memory import (
     Baseline,
     MemoryBudgetError,
@@ -151,15 +152,22 @@ async def load(
         path=record.path,
         device=str(device),
     )
+    dtype, reason = choose_dtype(config.dtype, device, config.quantization)
+    log.info("dtype", dtype=str(dtype).removeprefix("torch."), reason=reason)
     loaded = await loop.run_in_executor(
         engine,
-        load_model,
-        record.path,
-        _FORMATS.get(record.format, ""),
-        record.sha256,
-        device,
-        pick_dtype(config.dtype, device),
-        config.verify_checksum,
+        functools.partial(
+            load_model,
+            record.path,
+            _FORMATS.get(record.format, ""),
+            record.sha256,
+            device,
+            dtype,
+            config.verify_checksum,
+            quantization=config.quantization,
+            forward=config.forward,
+            dtype_reason=reason,
+        ),
     )
     max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
     runner, size = await loop.run_in_executor(
@@ -177,6 +185,8 @@ async def load(
         peak_mib=round(size.peak_bytes / 2**20, 1),
         budget_mib=round(size.budget_bytes / 2**20, 1),
         eos_token_ids=list(loaded.eos_token_ids),
+        forward=loaded.forward_name,
+        quantization=loaded.quantization,
     )
 
 

@@ -23,7 +23,21 @@ class WorkerConfig(InternalLinkOptions):
     registry: str = option("127.0.0.1:50053", "registry address")
     model: str = option(DEFAULT_MODEL_NAME, "model to serve, NAME or NAME:VERSION")
     device: str = option("auto", "cpu, cuda, cuda:N or auto (CUDA when present)")
-    dtype: str = option("auto", "float32, bfloat16, float16 or auto (float32 on CPU)")
+    dtype: str = option(
+        "auto",
+        "float32, bfloat16, float16 or auto (bfloat16 on CPUs with AMX or AVX512-BF16 and on "
+        "GPUs that have it, float16 on older GPUs, float32 elsewhere)",
+    )
+    quantization: str = option(
+        "none",
+        "weight-only quantization at load: none, int8 (per row) or int4 (groups of 32; a GGUF's "
+        "Q4_1 values are carried exactly); CPU only, computes in bfloat16",
+    )
+    forward: str = option(
+        "fast",
+        "fast (Canteen's fused layers, for llama, mistral, qwen2, qwen3, granite) or "
+        "transformers (the reference forward; always used for other families)",
+    )
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: str = option("512MiB", "bytes of KV cache, e.g. 512MiB or 2GiB")
     memory_fraction: float = option(
@@ -64,6 +78,24 @@ class WorkerConfig(InternalLinkOptions):
             "dtype",
             self.dtype,
             "must be auto, float32, bfloat16 or float16",
+        )
+        require(
+            self.quantization in ("none", "int8", "int4"),
+            "quantization",
+            self.quantization,
+            "must be none, int8 or int4",
+        )
+        require(
+            self.quantization == "none" or self.dtype in ("auto", "bfloat16"),
+            "dtype",
+            self.dtype,
+            "must be auto or bfloat16 with --quantization (the low-bit kernels compute in it)",
+        )
+        require(
+            self.forward in ("fast", "transformers"),
+            "forward",
+            self.forward,
+            "must be fast or transformers",
         )
         require(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),

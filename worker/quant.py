@@ -82,14 +82,19 @@ class Int8Linear:
 
 
 class Int4Linear:
-    def __init__(self, groups: Q4Groups, bias: torch.Tensor | None) -> None:
+    """``dtype`` is the activations': the kernel wants its scales and zeros in it. Only
+    float32 holds Q4_1's float16 d and m exactly; bfloat16 (the fast one) rounds them."""
+
+    def __init__(
+        self, groups: Q4Groups, bias: torch.Tensor | None, dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.q.int(), 1)
         zeros = groups.m + 8 * groups.d
         # [in // 32, out, 2]: the kernel's layout of (scale, zero) per group.
         self.scales_and_zeros = (
-            torch.stack([groups.d, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            torch.stack([groups.d, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype)
         )
-        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.bias = None if bias is None else bias.to(dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -44,24 +44,25 @@ def sample(
 ) -> tuple[list[int], list[float], list[tuple[tuple[int, float], ...]]]:
     """Picks one token per row of ``logits`` [N, V]: token ids, their logprobs, and the
     most likely (token, logprob) pairs of the rows that asked for top_logprobs."""
-    logits = logits.float()
-    chosen = torch.argmax(logits, dim=-1)
-    for row, (sampling, position) in enumerate(zip(samplings, positions, strict=True)):
-        if sampling.is_greedy:
-            continue
+    logits = logits.float()  # a no-op in float32; bfloat16 logits are ranked in float32
+    # greedy rows: one batched max gives the token and its logit together
+    best, chosen = logits.max(dim=-1)
+    norm = torch.logsumexp(logits, dim=-1)
+    sampled = [row for row, s in enumerate(samplings) if not s.is_greedy]
+    for row in sampled:
+        sampling = samplings[row]
         probs = _filtered_probs(logits[row], sampling)
         generator = torch.Generator(device=logits.device)
-        generator.manual_seed(position_seed(sampling.seed, position))
+        generator.manual_seed(position_seed(sampling.seed, positions[row]))
         chosen[row] = torch.multinomial(probs, 1, generator=generator)[0]
-    # log_softmax at the chosen token only: cheaper than the whole row.
-    norm = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(1, chosen.unsqueeze(1)).squeeze(1) - norm
+    if sampled:
+        best = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)
     tops: list[tuple[tuple[int, float], ...]] = []
     for row, sampling in enumerate(samplings):
         if sampling.top_logprobs <= 0:
             tops.append(())
             continue
-        best = torch.topk(logits[row], min(sampling.top_logprobs, logits.shape[-1]))
-        values = (best.values - norm[row]).tolist()
-        tops.append(tuple(zip(best.indices.tolist(), values, strict=True)))
-    return chosen.tolist(), picked.tolist(), tops
+        top = torch.topk(logits[row], min(sampling.top_logprobs, logits.shape[-1]))
+        values = (top.values - norm[row]).tolist()
+        tops.append(tuple(zip(top.indices.tolist(), values, strict=True)))
+    return chosen.tolist(), (best - norm).tolist(), tops

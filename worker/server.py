@@ -107,7 +107,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.runner is None or self.pool_size is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         assert self.runner is not None and self.pool_size is not None
-        i, size = self.identity, self.pool_size
+        i, size, loaded = self.identity, self.pool_size, self.runner.loaded
         return worker_pb2.WorkerInfo(
             worker_id=i.worker_id,
             model=i.model,
@@ -123,6 +123,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             device=i.device,
             max_batched_tokens=i.max_batched_tokens,
             vocab_size=self.runner.vocab_size,
+            dtype=str(loaded.dtype).removeprefix("torch."),
+            dtype_reason=loaded.dtype_reason,
+            quantization=loaded.quantization,
         )
 
     async def Run(

@@ -10,10 +10,12 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
+import torch
 
 from canteen.v1 import inference_pb2, scheduler_pb2, worker_pb2, worker_pb2_grpc
 from tests.integration.conftest import TinySuite
 from tests.support.suite import Suite
+from worker.loader import choose_dtype
 
 BLOCK = 8
 SMALL, LARGE = 40, 64  # blocks of worker-a and worker-b
@@ -135,9 +137,17 @@ def test_memory_fraction_sizes_the_pool_and_the_worker_stays_in_budget(
         )
         # About 1 GiB of budget beyond what the process holds, whatever this machine has free.
         fraction = round(min(0.9, 2**30 / psutil.virtual_memory().available), 4)
-        worker = s.start_worker(registry, "tiny", "--memory-fraction", str(fraction), *WORKER_ARGS)
+        worker = s.start_worker(
+            registry, "tiny", "--memory-fraction", str(fraction), "--dtype", "auto", *WORKER_ARGS
+        )
         with grpc.insecure_channel(worker.address) as channel:
             info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+        dtype, reason = choose_dtype("auto", torch.device("cpu"))
+        assert (info.dtype, info.dtype_reason, info.quantization) == (
+            str(dtype).removeprefix("torch."),
+            reason,
+            "none",
+        )
         available = psutil.virtual_memory().available
         assert info.num_blocks * info.bytes_per_block == info.kv_cache_bytes
         assert info.peak_bytes_before_kv + info.kv_cache_bytes < info.memory_budget_bytes

@@ -232,10 +232,13 @@ class Suite:
     def start_worker(
         self, registry: Service, model: str, *args: str, name: str = "worker"
     ) -> Service:
+        """Runs float32 unless ``args`` name a --dtype: exact-token tests compare against
+        transformers in float32, and --dtype auto picks bfloat16 on AMX/AVX512-BF16 CPUs."""
+        dtype = () if any(a.startswith("--dtype") for a in args) else ("--dtype", "float32")
         return self.spawn(
             name,
             "worker",
-            ["--registry", registry.address, "--model", model, "--worker-id", name, *args],
+            ["--registry", registry.address, "--model", model, "--worker-id", name, *dtype, *args],
             "canteen.v1.Worker",
         )
 

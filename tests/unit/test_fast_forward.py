@@ -1,0 +1,127 @@
+"""Canteen's own forward against transformers, per family, on tiny random models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
+from worker.loader import load_model
+from worker.quant import GROUP_SIZE, Int4Linear, Q4Groups
+from worker.runner import ModelRunner
+
+BLOCK = 8
+VOCAB = 256
+PROMPTS = {
+    f"p{i}": [(i * 37 + j * 11) % (VOCAB - 3) + 3 for j in range(5 + 7 * i)] for i in range(4)
+}
+FAMILY_EXTRAS: dict[str, dict[str, object]] = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {"use_sliding_window": False},
+    "qwen3": {"use_sliding_window": False, "head_dim": 16},
+    "granite": {
+        "embedding_multiplier": 3.0,
+        "attention_multiplier": 0.2,
+        "residual_multiplier": 0.5,
+        "logits_scaling": 4.0,
+    },
+    "olmo2": {},
+}
+
+
+def _build(path: Path, model_type: str, seed: int = 0) -> Path:
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        **FAMILY_EXTRAS[model_type],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # sharp logits: greedy tokens depend on the prompt
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)  # qwen2's q/k/v biases start at zero: make them count
+    model.save_pretrained(path)
+    return path
+
+
+def _reference(path: Path, prompt: list[int], new: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )  # fmt: skip
+    return list(out[0, len(prompt) :].tolist())
+
+
+def generate(runner: ModelRunner, prompts: dict[str, list[int]], new: int) -> dict[str, list[int]]:
+    """Greedy tokens for all prompts at once: one prefill step, then batched decode steps."""
+    runner.reset()
+    per = runner.blocks_for(max(len(p) for p in prompts.values()) + new)
+    seqs = tuple(
+        NewSequence(s, tuple(p), Sampling(0.0), tuple(range(i * per, (i + 1) * per)))
+        for i, (s, p) in enumerate(prompts.items())
+    )
+    plan = StepPlan(0, seqs, tuple(ScheduledSequence(s.seq_id, len(s.token_ids)) for s in seqs))
+    out: dict[str, list[int]] = {s: [] for s in prompts}
+    for step in range(new):
+        result = runner.step(plan)
+        assert not result.failed
+        for token in result.tokens:
+            out[token.seq_id].append(token.token_id)
+        plan = StepPlan(step + 1, (), tuple(ScheduledSequence(s, 1) for s in prompts))
+    return out
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILY_EXTRAS))
+def test_every_family_decodes_the_tokens_of_transformers(model_type: str, tmp_path: Path) -> None:
+    path = _build(tmp_path / model_type, model_type)
+    loaded = load_model(str(path), "safetensors", "", torch.device("cpu"), torch.float32, False)
+    assert loaded.forward_name == ("transformers" if model_type == "olmo2" else "fast")
+    runner = ModelRunner(loaded, 4 * 8, BLOCK, max_batched_tokens=256)
+    batched = generate(runner, PROMPTS, 10)
+    for seq_id, prompt in PROMPTS.items():
+        alone = generate(runner, {seq_id: prompt}, 10)[seq_id]
+        assert batched[seq_id] == alone == _reference(path, prompt, 10), seq_id
+
+
+def test_int4_layout_carries_q4_1_values_exactly() -> None:
+    torch.manual_seed(0)
+    rows, cols = 48, 3 * GROUP_SIZE
+    groups = Q4Groups(
+        torch.randint(0, 16, (rows, cols), dtype=torch.uint8),
+        torch.rand(rows, cols // GROUP_SIZE).half().float(),  # Q4_1's d and m are float16
+        torch.randn(rows, cols // GROUP_SIZE).half().float(),
+    )
+    weights = Int4Linear(groups, None, torch.float32)(torch.eye(cols)).T
+    # The kernel computes (q - 8) * d + (m + 8 d): the same real number as Q4_1's d * q + m,
+    # rounded to float32 by a different sum: apart by at most the rounding of the group's
+    # largest term.
+    codes = groups.q.view(rows, -1, GROUP_SIZE).float() - 8
+    kernel_sum = codes * groups.d.unsqueeze(-1) + (groups.m + 8 * groups.d).unsqueeze(-1)
+    assert torch.equal(weights, kernel_sum.view(rows, cols))
+    bound = ((groups.m.abs() + 16 * groups.d) * 2**-23).repeat_interleave(GROUP_SIZE, dim=1)
+    assert torch.all((weights - groups.dequantize()).abs() <= bound)
+
+
+def test_quantization_flags_are_checked_where_they_are_read() -> None:
+    from worker.config import WorkerConfig
+
+    with pytest.raises(ValueError, match="quantization"):
+        WorkerConfig(quantization="int3")
+    with pytest.raises(ValueError, match="dtype"):
+        WorkerConfig(quantization="int4", dtype="float32")
+    assert WorkerConfig(quantization="int4").dtype == "auto"
