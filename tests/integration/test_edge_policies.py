@@ -139,12 +139,23 @@ def test_the_output_screen_cuts_the_stream_with_content_filter(
         stub = inference_pb2_grpc.InferenceStub(channel)
         out = list(
             stub.Generate(
-                inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=30, temperature=0),
+                inference_pb2.GenerateRequest(
+                    prompt=PROMPT, max_tokens=30, temperature=0, top_logprobs=2
+                ),
                 metadata=(("authorization", "Bearer open-key"),),
                 timeout=30,
             )
         )
     assert out[-1].finish_reason == common_pb2.FINISH_REASON_CONTENT_FILTER
+    # Nothing of the cut text leaves: no text, no token ids, no logprobs of it.
+    cut = out[-1]
+    assert (cut.text, list(cut.token_ids), list(cut.logprobs), list(cut.top_logprobs)) == (
+        "",
+        [],
+        [],
+        [],
+    )
+    assert cut_phrase not in "".join(m.text for m in out)
 
 
 @pytest.mark.parametrize(

@@ -109,6 +109,8 @@ def test_with_no_worker_left_a_stream_waits_for_a_restarted_one(stack: Stack) ->
 def test_with_no_worker_coming_back_the_stream_fails_unavailable(
     stack: Stack, tmp_path: Path
 ) -> None:
+    # A worker serves one scheduler's Run stream at a time: stop the stack's own first.
+    assert stack.scheduler.terminate() == 0
     scheduler = stack.suite.start_scheduler(
         stack.registry, "--max-step-stall", "0", "--failover-wait", "1.5"
     )

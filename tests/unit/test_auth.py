@@ -14,6 +14,7 @@ from canteen.auth import (
     KeySpec,
     ModelNotAllowedError,
     Principal,
+    PriorityNotAllowedError,
     key_id,
     parse_key_line,
 )
@@ -37,7 +38,7 @@ def test_keys_file_lines_scope_models_and_limits(tmp_path: Path) -> None:
         "sk-all\n"
         "\n"
         "sk-two   models=smollm2,tiny\n"
-        "  sk-own models=tiny rpm=30 tpm=0  \n",
+        "  sk-own models=tiny rpm=30 tpm=0 priority=3  \n",
     )
     keys = ApiKeys.load(path, "")
 
@@ -45,9 +46,15 @@ def test_keys_file_lines_scope_models_and_limits(tmp_path: Path) -> None:
     two = keys.authenticate("Bearer sk-two")
     own = keys.authenticate("bearer sk-own")
 
-    assert everything == Principal(key_id("sk-all"))
-    assert two == Principal(key_id("sk-two"), frozenset({"smollm2", "tiny"}))
-    assert own == Principal(key_id("sk-own"), frozenset({"tiny"}), rpm=30, tpm=0)
+    # A key without priority= may ask for priority 0 at most.
+    assert everything == Principal(key_id("sk-all"), max_priority=0)
+    assert two == Principal(key_id("sk-two"), frozenset({"smollm2", "tiny"}), max_priority=0)
+    assert own == Principal(key_id("sk-own"), frozenset({"tiny"}), rpm=30, tpm=0, max_priority=3)
+    own.require_priority(3)
+    with pytest.raises(
+        PriorityNotAllowedError, match=r"priority=4: API key \w+ may ask for at most 3"
+    ):
+        own.require_priority(4)
     assert [p.key_id for p in keys.principals] == [
         key_id(k) for k in ("sk-all", "sk-two", "sk-own")
     ]
@@ -134,7 +141,9 @@ def test_identical_duplicates_are_merged_and_conflicting_ones_refused(tmp_path: 
         ("k rpm=ten", "rpm='ten': must be a whole number >= 0"),
         ("k tpm=-5", "tpm='-5': must be a whole number >= 0"),
         ("k rpm=1 rpm=2", "option rpm= is given twice"),
-        ("k color=red", "unknown option 'color'; options are models=, rpm= and tpm="),
+        ("k color=red", "unknown option 'color'; options are models=, rpm=, tpm= and priority="),
+        ("k priority=high", "priority='high': must be a whole number in -1000..1000"),
+        ("k priority=5000", "priority='5000': must be a whole number in -1000..1000"),
         ("my secret key", "unexpected text after the key"),
     ],
 )
