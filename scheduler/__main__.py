@@ -33,9 +33,7 @@ async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
         policy=POLICY if tls else None,
         health_port=config.health_port,
     )
-    settings = LinkSettings(
-        config.max_num_seqs, config.prefix_cache, config.max_step_stall, config.worker_timeout
-    )
+    settings = LinkSettings(config.batch(), config.prefix_cache, config.worker_timeout)
     registry = new_registry()
     metrics = SchedulerMetrics(registry)
     pool = WorkerPool(

@@ -14,13 +14,24 @@ When a running sequence needs a block and none is free, the lowest-priority, mos
 admitted sequence not yet in this step is preempted by recompute: its blocks are freed and it
 waits at the front of the queue with its generated tokens kept, so its stream resumes exactly.
 Sequences join and leave the batch between any two steps.
+
+Pipelining: with ``depth`` 2 the next plan is built and sent while the worker computes the
+previous one, so the worker never waits for a round trip. A plan assumes the plans in flight
+come back as sent: a sequence whose last known token is being sampled is scheduled for its
+next decode already (the worker appends the sampled token itself). One that then turns out
+to have stopped (EOS, a stop token) costs one wasted token and is dropped a step later;
+``max_tokens`` is known ahead, so no plan computes past it. The worker runs plans strictly in
+order, so blocks freed now may go to the next plan even while an earlier one is in flight.
+Results of a plan apply only to sequences still in the incarnation it was sent to.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
+from canteen.batching import BatchConfig
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
@@ -28,35 +39,24 @@ from scheduler.sequence import Finish, SeqEvent, Sequence, Status
 
 
 @dataclass(frozen=True)
-class BatchLimits:
-    """Budgets of one worker's steps."""
+class _Entry:
+    """One sequence of a plan in flight, as it was when the plan was sent."""
 
-    max_batched_tokens: int = 2048
-    """Most tokens (decode plus prefill) computed in one step."""
-    max_num_seqs: int = 256
-    """Most sequences in the running batch."""
-    watermark_blocks: int = 1
-    """Free blocks kept back at admission so running sequences can grow."""
-    max_step_stall: float = 0.0
-    """While sequences decode, prefill may stretch a step to this many decode-only steps."""
-    min_prefill_chunk: int = 16
-    """Prefill tokens a step with decodes may always carry, so long prompts progress."""
+    seq: Sequence
+    incarnation: int
+    num_tokens: int
+    samples: bool
 
-    def __post_init__(self) -> None:
-        if self.max_batched_tokens < 1:
-            raise ValueError(f"max_batched_tokens={self.max_batched_tokens}: must be >= 1")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
-        if self.watermark_blocks < 0:
-            raise ValueError(f"watermark_blocks={self.watermark_blocks}: must be >= 0")
-        if self.max_step_stall and self.max_step_stall < 1:
-            raise ValueError(f"max_step_stall={self.max_step_stall}: must be >= 1 or 0")
+    @property
+    def is_current(self) -> bool:
+        return self.seq.status is Status.RUNNING and self.seq.incarnation == self.incarnation
 
 
 class BatchScheduler:
-    def __init__(self, pool: BlockPool, limits: BatchLimits) -> None:
+    def __init__(self, pool: BlockPool, limits: BatchConfig) -> None:
         self.pool = pool
         self.limits = limits
+        self.depth = limits.pipeline_depth  # plans in flight at once
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_steps = 0
@@ -64,7 +64,7 @@ class BatchScheduler:
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self._pending_drops: list[str] = []
-        self._in_flight: StepPlan | None = None
+        self._in_flight: deque[tuple[StepPlan, dict[str, _Entry]]] = deque()
         self._admit_counter = 0
         self.cost = (
             StepCostModel(limits.max_step_stall, limits.min_prefill_chunk)
@@ -85,7 +85,7 @@ class BatchScheduler:
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
             self._finish(seq, Finish.CANCELLED)
-        elif self._in_flight is not None:
+        elif self._in_flight:
             seq.is_cancel_requested = True  # freed when the step using its blocks returns
         else:
             self._finish(seq, Finish.CANCELLED)
@@ -100,12 +100,13 @@ class BatchScheduler:
                 continue
             seq.block_ids, seq.block_keys, seq.num_computed, seq.num_sent_blocks = [], [], 0, 0
             seq.is_on_worker = False
+            seq.forget_in_flight()
             seq.status = Status.WAITING
             evicted.append(seq)
         self.running.clear()
         self.waiting.clear()
         self._pending_drops.clear()
-        self._in_flight = None
+        self._in_flight.clear()
         return evicted
 
     @property
@@ -123,41 +124,58 @@ class BatchScheduler:
 
     # -- the two verbs -------------------------------------------------------------------
 
+    @property
+    def num_in_flight(self) -> int:
+        """Plans sent and not answered yet."""
+        return len(self._in_flight)
+
+    @property
+    def oldest_in_flight(self) -> StepPlan:
+        """The plan the next result answers."""
+        return self._in_flight[0][0]
+
     def schedule(self) -> StepPlan | None:
-        """The next step's plan, or None when there is nothing to send."""
+        """The next step's plan, or None when there is nothing to send (or ``depth`` plans
+        are in flight already)."""
+        if len(self._in_flight) >= self.depth:
+            return None
         budget = self.limits.max_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         in_plan: set[int] = set()
         by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
-        budget = self._run([s for s in by_importance if s.is_decoding], budget, chosen, in_plan)
+        decoding = [s for s in by_importance if s.is_decoding_ahead]
+        budget = self._run(decoding, budget, chosen, in_plan)
         if chosen and self.cost is not None:
             budget = min(budget, self.cost.prefill_budget(len(chosen)))
-        budget = self._run([s for s in by_importance if not s.is_decoding], budget, chosen, in_plan)
+        prefilling = [s for s in by_importance if not s.is_decoding_ahead]
+        budget = self._run(prefilling, budget, chosen, in_plan)
         budget = self._admit(budget, chosen)
         drops, self._pending_drops = tuple(self._pending_drops), []
         if not chosen and not drops:
             return None
         self.num_steps += 1
-        plan = self._to_plan(self.num_steps, chosen, drops)
-        self._in_flight = plan
-        return plan
+        return self._to_plan(self.num_steps, chosen, drops)
 
     def update(self, result: StepResult) -> list[SeqEvent]:
-        """Applies a step's sampled tokens; returns what happened to each sequence."""
-        plan, self._in_flight = self._in_flight, None
-        if plan is None or plan.step_id != result.step_id:
+        """Applies the oldest plan's result; returns what happened to each sequence."""
+        if not self._in_flight or self._in_flight[0][0].step_id != result.step_id:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
+        plan, entries = self._in_flight.popleft()
         if self.cost is not None and result.total_ns > 0 and plan.scheduled:
             self.cost.observe(plan.num_tokens, result.total_ns / 1e9)
-        by_id = {s.seq_id: s for s in self.running}
+        current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f.error for f in result.failed}
-        for item in plan.scheduled:
-            seq = by_id.get(item.seq_id)
-            if seq is not None and item.seq_id not in refused:
-                seq.num_computed += item.num_tokens
+        for seq_id, seq in current.items():
+            entry = entries[seq_id]
+            seq.num_in_flight -= entry.num_tokens
+            seq.num_pending_samples -= entry.samples
+            if seq_id not in refused:
+                seq.num_computed += entry.num_tokens
                 self._commit_full_blocks(seq)
-        events = [self._on_token(by_id[t.seq_id], t) for t in result.tokens if t.seq_id in by_id]
-        events += [self._refuse(by_id[i], error) for i, error in refused.items() if i in by_id]
+        events = [
+            self._on_token(current[t.seq_id], t) for t in result.tokens if t.seq_id in current
+        ]
+        events += [self._refuse(current[i], error) for i, error in refused.items() if i in current]
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent(seq, (), (), Finish.CANCELLED))
@@ -176,10 +194,10 @@ class BatchScheduler:
         for seq in seqs:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted while making room for another
-            n = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, seq.num_computed + n, in_plan):
+            if seq.status is not Status.RUNNING or seq.is_done_ahead:
+                continue  # preempted while making room for another, or sampling its last
+            n = min(seq.num_unscheduled, budget)
+            if n <= 0 or not self._grow(seq, seq.num_scheduled + n, in_plan):
                 continue
             chosen.append((seq, n))
             in_plan.add(id(seq))
@@ -187,7 +205,7 @@ class BatchScheduler:
         return budget
 
     def _on_token(self, seq: Sequence, token: SampledToken) -> SeqEvent:
-        if seq.is_cancel_requested:
+        if seq.is_cancel_requested or seq.is_finished:
             return SeqEvent(seq, (), ())
         if token.token_id in seq.stop_token_ids:
             self._finish(seq, Finish.STOP)
@@ -213,8 +231,8 @@ class BatchScheduler:
                 self.waiting, key=lambda s: (s.priority, s.num_preemptions > 0, -s.arrival_time)
             )
             self._reuse_cached_prefix(seq)
-            n = min(seq.num_uncomputed, budget)
-            need = self.pool.blocks_for(seq.num_computed + n) - len(seq.block_ids)
+            n = min(seq.num_unscheduled, budget)
+            need = self.pool.blocks_for(seq.num_scheduled + n) - len(seq.block_ids)
             if self.pool.num_free < need + self.limits.watermark_blocks:
                 self._release(seq)
                 break
@@ -244,6 +262,15 @@ class BatchScheduler:
         if seq.first_scheduled_time is None:
             seq.num_cached_tokens = seq.num_computed
 
+    def _release_early(self, seq: Sequence) -> None:
+        """This plan samples ``seq``'s last token: no later plan needs its blocks, so the next
+        plan may reuse them (the worker runs this one first). Its drop rides on the next
+        plan too; its full blocks stay cached only if they were committed already."""
+        self.pool.free(seq.block_ids)
+        seq.block_ids, seq.num_sent_blocks = [], 0
+        self._pending_drops.append(seq.seq_id)
+        seq.is_on_worker = False
+
     def _release(self, seq: Sequence) -> None:
         """Returns all of a sequence's blocks (full computed ones stay cached)."""
         if seq.block_ids:
@@ -253,7 +280,7 @@ class BatchScheduler:
     def _commit_full_blocks(self, seq: Sequence) -> None:
         """Keys every block that became full and computed, so other sequences can share it."""
         bs = self.pool.block_size
-        num_full = seq.num_computed // bs
+        num_full = min(seq.num_computed // bs, len(seq.block_ids))
         if len(seq.block_keys) >= num_full:
             return
         tokens = seq.tokens
@@ -271,7 +298,10 @@ class BatchScheduler:
             if blocks is not None:
                 seq.block_ids.extend(blocks)
                 return True
-            candidates = [s for s in self.running if id(s) not in in_plan]
+            # Sequences whose blocks went back early free nothing when preempted.
+            candidates = [s for s in self.running if id(s) not in in_plan and s.block_ids]
+            if seq not in candidates:
+                candidates.append(seq)
             victim = min(candidates, key=lambda s: (s.priority, -s.admit_order))
             self._preempt(victim)
             if victim is seq:
@@ -281,6 +311,7 @@ class BatchScheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
+        seq.forget_in_flight()
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
         seq.is_on_worker = False
@@ -293,6 +324,7 @@ class BatchScheduler:
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)
+        seq.forget_in_flight()
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
             seq.is_on_worker = False
@@ -303,10 +335,12 @@ class BatchScheduler:
     ) -> StepPlan:
         new: list[NewSequence] = []
         scheduled: list[ScheduledSequence] = []
+        entries: dict[str, _Entry] = {}
         for seq, n in chosen:
             if seq.is_on_worker:
                 fresh = tuple(seq.block_ids[seq.num_sent_blocks :])
             else:
+                seq.incarnation += 1
                 new.append(
                     NewSequence(
                         seq.seq_id,
@@ -320,5 +354,13 @@ class BatchScheduler:
                 )
                 seq.is_on_worker, fresh = True, ()
             seq.num_sent_blocks = len(seq.block_ids)
+            samples = seq.num_unscheduled == n  # computes its last known token: samples one
+            seq.num_in_flight += n
+            seq.num_pending_samples += samples
+            entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples)
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh))
-        return StepPlan(step_id, tuple(new), tuple(scheduled), drops)
+            if self.depth > 1 and seq.is_done_ahead:
+                self._release_early(seq)
+        plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)
+        self._in_flight.append((plan, entries))
+        return plan

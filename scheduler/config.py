@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canteen.batching import DEFAULT, BatchConfig, field_help
 from canteen.config import option, require
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.tls import InternalLinkOptions
@@ -22,13 +23,10 @@ class SchedulerConfig(InternalLinkOptions):
     max_queue: int = option(
         1024, "most requests waiting across workers; more get RESOURCE_EXHAUSTED"
     )
-    max_num_seqs: int = option(256, "most sequences in one worker's running batch")
+    max_num_seqs: int = option(DEFAULT.max_num_seqs, field_help("max_num_seqs"))
     prefix_cache: bool = option(True, "share the KV of common prompt prefixes across requests")
-    max_step_stall: float = option(
-        1.5,
-        "while streams decode, a step carrying prefill may take at most this many times a "
-        "decode-only step (learned from step timings); 0: only --max-batched-tokens bounds it",
-    )
+    max_step_stall: float = option(DEFAULT.max_step_stall, field_help("max_step_stall"))
+    pipeline_depth: int = option(DEFAULT.pipeline_depth, field_help("pipeline_depth"))
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
     worker_timeout: float = option(
         30.0, "a worker that does not answer a step within this many seconds is lost (0: never)"
@@ -41,6 +39,7 @@ class SchedulerConfig(InternalLinkOptions):
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
+        self.batch()  # the batch fields' bounds, checked in one place
         require(
             -1 <= self.metrics_port <= 65535,
             "metrics_port",
@@ -48,13 +47,15 @@ class SchedulerConfig(InternalLinkOptions):
             "must be in 0..65535, or -1 for off",
         )
         require(self.max_queue >= 1, "max_queue", self.max_queue, "must be >= 1")
-        require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        require(
-            self.max_step_stall == 0 or self.max_step_stall >= 1,
-            "max_step_stall",
-            self.max_step_stall,
-            "must be >= 1, or 0 for off",
-        )
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
         require(self.worker_timeout >= 0, "worker_timeout", self.worker_timeout, "must be >= 0")
         require(self.failover_wait >= 0, "failover_wait", self.failover_wait, "must be >= 0")
+
+    def batch(self) -> BatchConfig:
+        """The batch config every worker's link runs with (each worker's own
+        max_batched_tokens replaces the default)."""
+        return BatchConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_step_stall=self.max_step_stall,
+            pipeline_depth=self.pipeline_depth,
+        )

@@ -8,16 +8,19 @@ deliver events to each request's queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
+from canteen.batching import DEFAULT, BatchConfig
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2, worker_pb2_grpc
-from scheduler.batcher import BatchLimits, BatchScheduler
+from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
 from scheduler.wire import plan_to_pb, result_from_pb
@@ -32,11 +35,10 @@ LossHandler = Callable[["WorkerLink", Orphans], None]
 
 @dataclass(frozen=True)
 class LinkSettings:
-    """What the scheduler's flags set for every worker's batch."""
+    """What the scheduler's flags set for every worker's link."""
 
-    max_num_seqs: int = 256
+    batch: BatchConfig = DEFAULT  # max_batched_tokens comes from each worker
     enable_prefix_cache: bool = True
-    max_step_stall: float = 0.0  # 0: prefill chunks bounded by max_batched_tokens only
     worker_timeout: float = 0.0  # a step not answered within this many seconds: worker lost
 
 
@@ -85,11 +87,7 @@ class WorkerLink:
         self.last_batch_size = 0
         self._channel = channel
         self._stub = worker_pb2_grpc.WorkerStub(channel)
-        limits = BatchLimits(
-            max_batched_tokens=desc.max_batched_tokens,
-            max_num_seqs=settings.max_num_seqs,
-            max_step_stall=settings.max_step_stall,
-        )
+        limits = dataclasses.replace(settings.batch, max_batched_tokens=desc.max_batched_tokens)
         pool = BlockPool(
             desc.num_blocks,
             desc.block_size,
@@ -151,36 +149,72 @@ class WorkerLink:
             await self._channel.close()
 
     async def _loop(self, call: grpc.aio.StreamStreamCall) -> None:
-        while True:
-            if self.is_draining and not self.core.running and not self.core.waiting:
-                log.info("worker drained", worker_id=self.desc.worker_id)
-                await call.done_writing()
-                return
-            plan = self.core.schedule()
-            if plan is None:
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            started = time.monotonic()
-            await call.write(plan_to_pb(plan))
-            msg = await asyncio.wait_for(call.read(), self._timeout)
-            if msg is grpc.aio.EOF:
-                raise grpc.aio.AioRpcError(
-                    grpc.StatusCode.UNAVAILABLE,
-                    grpc.aio.Metadata(),
-                    grpc.aio.Metadata(),
-                    "worker closed its stream",
-                )
-            self.last_batch_size = len(plan.scheduled)
-            if self._on_step is not None:
-                self._on_step(self.desc, plan, time.monotonic() - started)
-            for event in self.core.update(result_from_pb(msg)):
-                queue = self._queues.get(event.seq.seq_id)
-                if queue is not None:
-                    queue.put_nowait(event)
-                    if event.finish is not None:
-                        del self._queues[event.seq.seq_id]
-            await asyncio.sleep(0)  # let handlers submit and cancel between steps
+        """Keeps up to ``core.depth`` plans in flight: the next plan is on the wire while the
+        worker computes the current one, so the worker never waits for a round trip."""
+        sent: deque[float] = deque()  # when each plan in flight was sent
+        reading: asyncio.Future[object] | None = None
+        last_result = time.monotonic()
+        try:
+            while True:
+                if self.is_draining and not (self.core.running or self.core.waiting or sent):
+                    log.info("worker drained", worker_id=self.desc.worker_id)
+                    await call.done_writing()
+                    return
+                while (plan := self.core.schedule()) is not None:
+                    await call.write(plan_to_pb(plan))
+                    sent.append(time.monotonic())
+                if not sent:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                reading = reading or asyncio.ensure_future(call.read())
+                if not await self._result_or_wake(reading, len(sent) < self.core.depth):
+                    continue  # new work arrived and the pipeline has room: plan it first
+                msg, reading = reading.result(), None
+                last_result = self._apply(msg, max(sent.popleft(), last_result))
+                await asyncio.sleep(0)  # let handlers submit and cancel between steps
+        finally:
+            if reading is not None:
+                reading.cancel()
+
+    async def _result_or_wake(self, reading: asyncio.Future[object], has_room: bool) -> bool:
+        """Waits for the worker's next result (True), or, while the pipeline has room, for
+        new work (False). A result later than ``--worker-timeout`` raises TimeoutError."""
+        if not has_room:
+            await asyncio.wait_for(asyncio.shield(reading), self._timeout)
+            return True
+        self._wake.clear()
+        waker: asyncio.Future[object] = asyncio.ensure_future(self._wake.wait())
+        done, _ = await asyncio.wait(
+            {reading, waker}, timeout=self._timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        waker.cancel()
+        if not done:
+            raise TimeoutError
+        return reading in done
+
+    def _apply(self, msg: object, started: float) -> float:
+        """Delivers one result's events; returns when it arrived."""
+        if msg is grpc.aio.EOF:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "worker closed its stream",
+            )
+        result = result_from_pb(msg)  # type: ignore[arg-type]
+        now = time.monotonic()
+        plan = self.core.oldest_in_flight
+        self.last_batch_size = len(plan.scheduled)
+        if self._on_step is not None:
+            self._on_step(self.desc, plan, now - started)
+        for event in self.core.update(result):
+            queue = self._queues.get(event.seq.seq_id)
+            if queue is not None:
+                queue.put_nowait(event)
+                if event.finish is not None:
+                    del self._queues[event.seq.seq_id]
+        return now
 
     def _lose(self, error: str) -> None:
         """The worker is gone: its sequences go to ``on_lost`` to run elsewhere (or fail)."""

@@ -70,6 +70,10 @@ class Sequence:
     cache_salt: str = ""  # its prefix-cache tenant; "" shares with every other request
     # The key on the worker and in every table: made here, unique.
     seq_id: str = field(default_factory=new_seq_id)
+    # Pipelined steps: what plans the worker has not answered yet will compute and sample.
+    num_in_flight: int = 0
+    num_pending_samples: int = 0
+    incarnation: int = 0  # bumped each time it is sent to a worker as new
 
     @property
     def tokens(self) -> list[int]:
@@ -87,6 +91,35 @@ class Sequence:
     def is_decoding(self) -> bool:
         """All tokens but the last sampled one are in the KV cache."""
         return bool(self.output_ids) and self.num_uncomputed == 1
+
+    # -- as the next plan sees it, assuming the plans in flight come back -------------------
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens computed, or being computed by a plan in flight."""
+        return self.num_computed + self.num_in_flight
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Tokens known once the plans in flight return that no plan computes yet."""
+        return self.num_tokens + self.num_pending_samples - self.num_scheduled
+
+    @property
+    def is_decoding_ahead(self) -> bool:
+        """Past its prompt once the plans in flight return: one token a step."""
+        has_output = bool(self.output_ids) or self.num_pending_samples > 0
+        return has_output and self.num_unscheduled == 1
+
+    @property
+    def is_done_ahead(self) -> bool:
+        """The plans in flight already sample its last allowed token."""
+        num_output = len(self.output_ids) + self.num_pending_samples
+        total = self.num_tokens + self.num_pending_samples
+        return num_output >= self.max_tokens or total >= self.max_model_len
+
+    def forget_in_flight(self) -> None:
+        """Results of plans sent before now no longer apply (preempted, finished, lost)."""
+        self.num_in_flight = self.num_pending_samples = 0
 
     @property
     def is_finished(self) -> bool:

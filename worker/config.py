@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canteen.batching import DEFAULT, field_help
 from canteen.config import option, parse_bytes, require
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
@@ -46,7 +47,7 @@ class WorkerConfig(InternalLinkOptions):
         "gets what the weights and warm-up leave (overrides --kv-cache-memory; 0: off)",
     )
     num_kv_blocks: int = option(0, "exact number of KV blocks (overrides both above)")
-    max_batched_tokens: int = option(2048, "most tokens one step computes")
+    max_batched_tokens: int = option(DEFAULT.max_batched_tokens, field_help("max_batched_tokens"))
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     worker_id: str = option("", "worker id (default: generated)")
     grace: float = option(30.0, "seconds running sequences get to finish on SIGTERM")

@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from canteen.batching import BatchConfig
 from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
-from scheduler.batcher import BatchLimits, BatchScheduler
+from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
 
@@ -23,10 +24,14 @@ def make_scheduler(
     max_num_seqs: int = 16,
     watermark_blocks: int = 1,
 ) -> BatchScheduler:
-    limits = BatchLimits(
+    # One plan at a time and no stall bound: the step semantics these tests pin down
+    # (tests/unit/test_pipeline.py and test_cost.py cover the other two).
+    limits = BatchConfig(
         max_batched_tokens=max_batched_tokens,
         max_num_seqs=max_num_seqs,
         watermark_blocks=watermark_blocks,
+        max_step_stall=0,
+        pipeline_depth=1,
     )
     return BatchScheduler(BlockPool(num_blocks, block_size), limits)
 

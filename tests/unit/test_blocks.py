@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.batcher import BatchLimits
+from canteen.batching import BatchConfig
 from scheduler.blocks import BlockPool
 
 
@@ -54,4 +54,4 @@ def test_block_pool_rejects_empty_sizes(kwargs: dict[str, int], field: str) -> N
 )
 def test_batch_limits_reject_bad_values(kwargs: dict[str, int], field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        BatchLimits(**kwargs)
+        BatchConfig(**kwargs)

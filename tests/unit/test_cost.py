@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from canteen.batching import BatchConfig
 from canteen.plan import StepPlan, StepResult
-from scheduler.batcher import BatchLimits, BatchScheduler
+from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
 from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq, scheduled
@@ -63,8 +64,12 @@ class TimedWorker(FakeWorker):
 
 
 def test_a_long_prompt_never_stretches_a_decode_step_past_the_bound() -> None:
-    limits = BatchLimits(
-        max_batched_tokens=512, max_num_seqs=16, max_step_stall=2.0, min_prefill_chunk=8
+    limits = BatchConfig(
+        max_batched_tokens=512,
+        max_num_seqs=16,
+        max_step_stall=2.0,
+        min_prefill_chunk=8,
+        pipeline_depth=1,
     )
     sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
     worker = TimedWorker(400)

@@ -9,12 +9,15 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from canteen.batching import BatchConfig
 from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
-from scheduler.batcher import BatchLimits, BatchScheduler
+from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool, chain_key
 from scheduler.sequence import Sequence
 
 BS = 4
+
+ONE_AT_A_TIME = {"max_step_stall": 0.0, "pipeline_depth": 1}  # the step semantics tested here
 
 
 def next_token(context: list[int]) -> int:
@@ -62,7 +65,7 @@ class KVWorker:
 
 def make(num_blocks: int = 32, enable: bool = True) -> BatchScheduler:
     pool = BlockPool(num_blocks, BS, enable_prefix_cache=enable, cache_salt="m:v1")
-    return BatchScheduler(pool, BatchLimits(max_batched_tokens=64, max_num_seqs=8))
+    return BatchScheduler(pool, BatchConfig(max_batched_tokens=64, max_num_seqs=8, **ONE_AT_A_TIME))
 
 
 def seq(rid: str, prompt: list[int], max_tokens: int = 6) -> Sequence:
@@ -159,7 +162,8 @@ def test_cache_off_and_other_versions_never_share() -> None:
 def test_a_preempted_sequence_resumes_from_its_own_cached_blocks() -> None:
     pool = BlockPool(6, BS, enable_prefix_cache=True, cache_salt="m:v1")
     sched = BatchScheduler(
-        pool, BatchLimits(max_batched_tokens=64, max_num_seqs=8, watermark_blocks=0)
+        pool,
+        BatchConfig(max_batched_tokens=64, max_num_seqs=8, watermark_blocks=0, **ONE_AT_A_TIME),
     )
     worker = KVWorker()
     low, high = seq("low", [1, 2, 3, 4, 5], 12), seq("high", [6, 7, 8, 9, 10], 12)
@@ -186,7 +190,9 @@ def test_accounting_and_outputs_hold_under_random_sharing(
 ) -> None:
     prefixes = [[50 + i for i in range(8)], [70 + i for i in range(6)], [90, 91, 92, 93]]
     pool = BlockPool(num_blocks, BS, enable_prefix_cache=True, cache_salt="m:v1")
-    sched = BatchScheduler(pool, BatchLimits(max_batched_tokens=16, max_num_seqs=4))
+    sched = BatchScheduler(
+        pool, BatchConfig(max_batched_tokens=16, max_num_seqs=4, **ONE_AT_A_TIME)
+    )
     worker = KVWorker()
     seqs = []
     for i, (which, tail, max_tokens, cancel) in enumerate(specs):

@@ -1,0 +1,120 @@
+"""Pipelined steps: the next plan is built while the worker computes the previous one."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from canteen.batching import BatchConfig
+from canteen.plan import StepPlan
+from scheduler.batcher import BatchScheduler
+from scheduler.blocks import BlockPool
+from scheduler.sequence import Finish, Sequence
+from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq
+
+
+def pipelined(num_blocks: int = 64, max_batched_tokens: int = 64) -> BatchScheduler:
+    limits = BatchConfig(
+        max_batched_tokens=max_batched_tokens, max_num_seqs=16, max_step_stall=0, pipeline_depth=2
+    )
+    return BatchScheduler(BlockPool(num_blocks, BLOCK_SIZE), limits)
+
+
+def pump(sched: BatchScheduler, worker: FakeWorker, sent: deque[StepPlan]) -> None:
+    """Fills the pipeline, then lets the worker answer the oldest plan."""
+    while (plan := sched.schedule()) is not None:
+        sent.append(plan)
+    if sent:
+        sched.update(worker.step(sent.popleft()))
+
+
+def test_the_next_decode_is_planned_before_the_previous_step_returns() -> None:
+    sched, worker = pipelined(), FakeWorker(64)
+    seq = make_seq("a", prompt_len=5, max_tokens=4)
+    sched.add(seq)
+    first, second = sched.schedule(), sched.schedule()
+    assert first is not None and second is not None
+    assert sched.schedule() is None  # two in flight: the pipeline is full
+    assert [(s.seq_id, s.num_tokens) for s in first.scheduled] == [("a", 5)]
+    # The token step 1 samples is not known yet; step 2 computes it all the same.
+    assert [(s.seq_id, s.num_tokens) for s in second.scheduled] == [("a", 1)]
+    sent = deque([first, second])
+    while not seq.is_finished:
+        pump(sched, worker, sent)
+    assert seq.finish is Finish.LENGTH
+    assert seq.output_ids == expected_tokens(seq.prompt_ids, 4)
+    # No plan ever computed past max_tokens: 5 prompt tokens, then 3 decodes.
+    computed = [s.num_tokens for p in worker.plans for s in p.scheduled if s.seq_id == "a"]
+    assert computed == [5, 1, 1, 1]
+
+
+def test_a_stop_token_costs_one_wasted_step_then_a_drop() -> None:
+    prompt_probe = make_seq("s", prompt_len=6, max_tokens=50)
+    stop = expected_tokens(prompt_probe.prompt_ids, 3)[2]
+    sched, worker = pipelined(), FakeWorker(64)
+    seq = make_seq("s", prompt_len=6, max_tokens=50, stop_token_ids=frozenset({stop}))
+    sched.add(seq)
+    sent: deque[StepPlan] = deque()
+    while not seq.is_finished:
+        pump(sched, worker, sent)
+    assert seq.finish is Finish.STOP
+    assert seq.output_ids == expected_tokens(seq.prompt_ids, 2)
+    assert seq.block_ids == [] and sched.pool.num_free == 64
+    while sent or sched.has_work:
+        pump(sched, worker, sent)
+    assert worker.seqs == {}  # dropped on the worker a step later
+    assert sched.pool.num_free == 64
+
+
+NUM_BLOCKS = 8
+KINDS = ["add", "add", "step", "step", "step", "step", "cancel"]
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(KINDS),
+        st.integers(1, 16),
+        st.integers(1, 10),
+        st.integers(0, 2),
+        st.integers(0, 100),
+    ),
+    min_size=20,
+    max_size=80,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops)
+def test_pipelined_streams_are_exact_and_blocks_all_come_back(
+    operations: list[tuple[str, int, int, int, int]],
+) -> None:
+    # A small pool: sequences preempt each other while their plans are in flight.
+    sched, worker = pipelined(NUM_BLOCKS, max_batched_tokens=8), FakeWorker(NUM_BLOCKS)
+    seqs: list[Sequence] = []
+    sent: deque[StepPlan] = deque()
+    for kind, prompt_len, max_tokens, priority, pick in operations:
+        live = [s for s in seqs if not s.is_finished]
+        if kind == "add":
+            seq = make_seq(
+                f"r{len(seqs)}", prompt_len, max_tokens, priority, arrival_time=len(seqs)
+            )
+            seqs.append(seq)
+            sched.add(seq)
+        elif kind == "step":
+            pump(sched, worker, sent)
+        elif kind == "cancel" and live:
+            sched.cancel(live[pick % len(live)])
+        held = [b for s in seqs for b in s.block_ids]
+        assert len(held) == len(set(held)) and sched.pool.num_free + len(held) == NUM_BLOCKS
+    for _ in range(500):
+        if not (sent or sched.has_work):
+            break
+        pump(sched, worker, sent)
+    assert not sent and not sched.has_work
+    assert sched.pool.num_free == NUM_BLOCKS
+    assert worker.seqs == {}
+    for seq in seqs:
+        assert seq.is_finished
+        assert seq.output_ids == expected_tokens(seq.prompt_ids, len(seq.output_ids))
+        if seq.finish is Finish.LENGTH:
+            assert len(seq.output_ids) == seq.max_tokens
