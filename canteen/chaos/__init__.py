@@ -24,8 +24,11 @@ fault meets load however long a restart takes, and the last part runs on the rec
 suite. After a restart chaos waits until the scheduler lists the worker ready, the new
 scheduler has its workers back, or the gateway is SERVING.
 
-A :class:`FaultInjector` performs the faults: the tests drive ``Suite`` processes, the CLI
-runs one shell command per kind (``canteen chaos --help``). After the load, every worker in
+A :class:`FaultInjector` performs the faults: :class:`UpInjector` signals the children of a
+running ``canteen up`` (found in its state file), whose supervisor starts each again, so there
+a killed worker or a drained gateway is waited for like a restarted one; :class:`ShellInjector`
+runs one shell command per kind (``--on``); the tests also drive ``Suite`` processes. With a
+supervisor the report also counts its restarts of each service. After the load, every worker in
 the scheduler's ``GetStats`` must reach ``num_free_blocks == num_total_blocks`` with nothing
 running or waiting within ``settle`` seconds.
 """
@@ -41,6 +44,7 @@ from canteen.chaos.faults import (
 )
 from canteen.chaos.report import RETRYABLE, Outcome, Report, classify
 from canteen.chaos.runner import PROMPTS, ChaosConfig, ChaosError, run_chaos
+from canteen.chaos.up import UpInjector
 
 __all__ = [
     "FAULT_KINDS",
@@ -54,6 +58,7 @@ __all__ = [
     "Outcome",
     "Report",
     "ShellInjector",
+    "UpInjector",
     "classify",
     "inject",
     "parse_faults",

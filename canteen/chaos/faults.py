@@ -16,6 +16,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from canteen.tls import Tls, aio_channel
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 FAULT_KINDS = (
@@ -26,6 +27,7 @@ FAULT_KINDS = (
     "restart-scheduler",
 )
 _NO_TARGET = ("restart-scheduler",)
+GATEWAY_KINDS = ("drain-gateway", "restart-gateway")
 
 
 @dataclass(frozen=True)
@@ -123,9 +125,20 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float, what: str)
         await asyncio.sleep(0.2)
 
 
-async def worker_stats(scheduler: str) -> list[scheduler_pb2.WorkerStats]:
+@dataclass(frozen=True)
+class Links:
+    """Where chaos asks what recovered: the scheduler (mTLS with the client certificate, or
+    plaintext when ``tls`` is None); ``supervised``: a supervisor (``canteen up``) starts a
+    killed or drained service again, so those faults are over only once it serves again."""
+
+    scheduler: str
+    tls: Tls | None = None
+    supervised: bool = False
+
+
+async def worker_stats(links: Links) -> list[scheduler_pb2.WorkerStats]:
     """The scheduler's ``GetStats`` workers; [] when it does not answer."""
-    async with grpc.aio.insecure_channel(scheduler) as channel:
+    async with aio_channel(links.scheduler, links.tls, "scheduler") as channel:
         try:
             reply = await scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
                 scheduler_pb2.GetStatsRequest(), timeout=2
@@ -135,11 +148,12 @@ async def worker_stats(scheduler: str) -> list[scheduler_pb2.WorkerStats]:
     return list(reply.workers)
 
 
-async def ready_workers(scheduler: str) -> set[str]:
-    return {w.worker_id for w in await worker_stats(scheduler) if w.is_ready}
+async def ready_workers(links: Links) -> set[str]:
+    return {w.worker_id for w in await worker_stats(links) if w.is_ready}
 
 
 async def _serving(address: str, service: str) -> bool:
+    """Health of a gateway: its public port, plaintext."""
     async with grpc.aio.insecure_channel(address) as channel:
         try:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
@@ -150,19 +164,23 @@ async def _serving(address: str, service: str) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
-async def recovered(fault: Fault, scheduler: str, before: set[str], timeout: float) -> None:
+async def recovered(fault: Fault, links: Links, before: set[str], timeout: float) -> None:
     """Waits until what ``fault`` restarted serves again; ``before``: the workers the
     scheduler had ready when the fault fired."""
 
     async def has(want: set[str]) -> bool:
-        return want <= await ready_workers(scheduler)
+        return want <= await ready_workers(links)
 
-    if fault.kind == "restart-worker":
+    restarts_worker = ("restart-worker", "kill-worker") if links.supervised else ("restart-worker",)
+    restarts_gateway = (
+        ("restart-gateway", "drain-gateway") if links.supervised else ("restart-gateway",)
+    )
+    if fault.kind in restarts_worker:
         want = before | {fault.target}
         await until(lambda: has(want), timeout, f"worker {fault.target} ready")
     elif fault.kind == "restart-scheduler":
         await until(lambda: has(before), timeout, f"a scheduler with {sorted(before)} ready")
-    elif fault.kind == "restart-gateway":
+    elif fault.kind in restarts_gateway:
         target = fault.target
         await until(
             lambda: _serving(target, "canteen.v1.Inference"), timeout, f"gateway {target} SERVING"
@@ -172,7 +190,7 @@ async def recovered(fault: Fault, scheduler: str, before: set[str], timeout: flo
 async def inject_all(
     injector: FaultInjector,
     faults: list[Fault],
-    scheduler: str,
+    links: Links,
     ready_timeout: float,
     load: LoadView,
 ) -> list[FaultRecord]:
@@ -181,11 +199,11 @@ async def inject_all(
     records = []
     for k, fault in enumerate(faults):
         await load.due[k].wait()
-        before, started = await ready_workers(scheduler), time.monotonic()
+        before, started = await ready_workers(links), time.monotonic()
         record = FaultRecord(fault.kind, fault.target, started - load.t0, 0.0, load.in_flight)
         try:
             await asyncio.to_thread(inject, injector, fault)
-            await recovered(fault, scheduler, before, ready_timeout)
+            await recovered(fault, links, before, ready_timeout)
         except Exception as exc:
             record.error = f"{type(exc).__name__}: {exc}"
         record.seconds = time.monotonic() - started

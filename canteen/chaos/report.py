@@ -33,6 +33,15 @@ class Outcome:
     tokens: int = 0
     attempts: int = 1
     seconds: float = 0.0
+    # What the last attempt received and what a fault-free run gave (not in the JSON).
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    finish: int = 0
+    reference: list[int] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        return _rounded(
+            {k: v for k, v in asdict(self).items() if k not in ("token_ids", "reference")}
+        )
 
 
 def classify(reference: list[int], got: Received, retryable: tuple[str, ...]) -> tuple[str, str]:
@@ -62,6 +71,7 @@ class Report:
     outcomes: list[Outcome]
     leaks: list[str]
     durations: dict[str, float]
+    restarts: dict[str, int] = field(default_factory=dict)  # by a supervisor, per service
 
     def count(self, result: str) -> int:
         return sum(o.result == result for o in self.outcomes)
@@ -83,11 +93,12 @@ class Report:
             "failed_by_code": dict(Counter(o.code for o in self.outcomes if o.code)),
             "lost": len(self.lost),
             "client_retries": sum(o.attempts - 1 for o in self.outcomes),
+            "restarts": self.restarts,
             "leaks": self.leaks,
             "ok": self.ok,
             "durations": _rounded(self.durations),
             "faults": [_rounded(asdict(f)) for f in self.faults],
-            "lost_requests": [_rounded(asdict(o)) for o in self.lost],
+            "lost_requests": [o.summary() for o in self.lost],
         }
 
     def format(self) -> str:
@@ -106,6 +117,14 @@ class Report:
             f"completed exactly {d['completed_exactly']}, failed retryably "
             f"{d['failed_retryably']}{f' ({codes})' if codes else ''}, lost {d['lost']}; "
             f"client retries {d['client_retries']}",
+            *(
+                [
+                    "restarts by canteen up: "
+                    + ", ".join(f"{k} {v}" for k, v in self.restarts.items())
+                ]
+                if self.restarts
+                else []
+            ),
             f"latency of exact requests: p50 {s['p50_s']:.2f} s, max {s['max_s']:.2f} s",
             *(f"  lost {o.request_id}: {o.code or 'OK'} {o.detail}" for o in self.lost),
             "blocks: " + ("; ".join(self.leaks) if self.leaks else "none leaked"),

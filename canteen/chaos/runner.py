@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
-from canteen.chaos.faults import Fault, FaultInjector, inject_all, until, worker_stats
+from canteen.chaos.faults import Fault, FaultInjector, Links, inject_all, until, worker_stats
 from canteen.chaos.report import RETRYABLE, Outcome, Received, Report, classify
+from canteen.tls import Tls
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 PROMPTS = (
@@ -50,6 +52,12 @@ class ChaosConfig:
     settle: float = 10.0  # for the pools to be whole after the load
     model: str = ""
     api_key: str = ""
+    tls: Tls | None = None  # the client certificate for the scheduler; None: plaintext
+    supervised: bool = False  # a supervisor restarts killed and drained services
+
+    @property
+    def links(self) -> Links:
+        return Links(self.scheduler, self.tls, self.supervised)
 
     def plan(self) -> list[tuple[int, int]]:
         """(prompt index, max_tokens) of each request: every pairing in turn."""
@@ -139,10 +147,22 @@ class Load:
                 await asyncio.sleep(0.1 * 2**attempt)
         finally:
             self.in_flight -= 1
-        result, detail = classify(self.refs[key], got, self.config.retryable)
+        ref = self.refs[key]
+        result, detail = classify(ref, got, self.config.retryable)
         seconds = time.monotonic() - started
         self.outcomes.append(
-            Outcome(rid, result, got.code, detail, len(got.tokens), attempt, seconds)
+            Outcome(
+                rid,
+                result,
+                got.code,
+                detail,
+                len(got.tokens),
+                attempt,
+                seconds,
+                got.tokens,
+                got.finish,
+                ref,
+            )
         )
 
     async def run(self) -> None:
@@ -171,12 +191,12 @@ class Load:
         await asyncio.gather(*tasks)
 
 
-async def _leaks(scheduler: str, settle: float) -> list[str]:
+async def _leaks(links: Links, settle: float) -> list[str]:
     """What still holds blocks or work ``settle`` seconds after the load; [] when nothing."""
     problems: list[str] = []
 
     async def clean() -> bool:
-        workers = await worker_stats(scheduler)
+        workers = await worker_stats(links)
         problems[:] = [
             f"{w.worker_id}: {w.num_free_blocks}/{w.num_total_blocks} blocks free, "
             f"{w.num_running} running, {w.num_waiting} waiting"
@@ -192,16 +212,23 @@ async def _leaks(scheduler: str, settle: float) -> list[str]:
     return problems
 
 
-async def run_chaos(config: ChaosConfig, injector: FaultInjector) -> Report:
+async def run_chaos(
+    config: ChaosConfig,
+    injector: FaultInjector,
+    restarts: Callable[[], dict[str, int]] | None = None,
+) -> Report:
+    """The run; ``restarts``: a supervisor's count of restarts per service, read before and
+    after it (the report keeps the difference)."""
     config.check()
     t_start = time.monotonic()
+    restarts_before = restarts() if restarts else {}
     channels = [grpc.aio.insecure_channel(a, options=_CHANNEL_OPTIONS) for a in config.gateways]
     try:
         load = Load(config, [inference_pb2_grpc.InferenceStub(c) for c in channels])
         await load.references()
         t_refs = time.monotonic()
         faults = asyncio.create_task(
-            inject_all(injector, config.faults, config.scheduler, config.ready_timeout, load)
+            inject_all(injector, config.faults, config.links, config.ready_timeout, load)
         )
         try:
             await load.run()
@@ -209,7 +236,7 @@ async def run_chaos(config: ChaosConfig, injector: FaultInjector) -> Report:
         finally:
             faults.cancel()  # when the load failed: a fault waiting for its turn
         t_load = time.monotonic()
-        leaks = await _leaks(config.scheduler, config.settle)
+        leaks = await _leaks(config.links, config.settle)
     finally:
         for channel in channels:
             await channel.close()
@@ -223,4 +250,8 @@ async def run_chaos(config: ChaosConfig, injector: FaultInjector) -> Report:
         "p50_s": times[len(times) // 2],
         "max_s": times[-1],
     }
-    return Report(len(load.plan), records, load.outcomes, leaks, durations)
+    after = restarts() if restarts else {}
+    restarted = {k: n - restarts_before.get(k, 0) for k, n in after.items()}
+    report = Report(len(load.plan), records, load.outcomes, leaks, durations)
+    report.restarts = {k: n for k, n in restarted.items() if n}
+    return report
