@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.decode_step import cpu_model
 from bench.throughput import QUESTIONS
 from canteen.certs import make_suite_certs
 from canteen.v1 import inference_pb2, inference_pb2_grpc
@@ -47,13 +47,6 @@ async def throughput(address: str, n: int, tokens: int, tag: str) -> float:
         produced = sum(await asyncio.gather(*(one(i) for i in range(n))))
     assert produced == n * tokens, produced
     return produced / (time.perf_counter() - start)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def main() -> None:
