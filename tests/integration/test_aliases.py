@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 
 from canteen.v1 import registry_pb2, registry_pb2_grpc
 from gateway.catalog import ModelCatalog
-from tests.support.suite import ADMIN_KEY, ROOT, Service, Suite
+from tests.support.suite import Service, Suite, canteen_models
 
 
 @pytest.fixture(scope="module")
@@ -29,28 +27,6 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         yield s.start_registry("--no-register-default", "--default-model", "tiny")
     finally:
         s.stop()
-
-
-def canteen_models(registry: Service, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "canteen.cli",
-            "models",
-            "--registry",
-            registry.address,
-            "--insecure",
-            "--admin-key",
-            ADMIN_KEY,
-            *args,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 def _aliases(msg: registry_pb2.ListModelsRegistryResponse) -> dict[str, list[tuple[str, int]]]:

@@ -73,6 +73,29 @@ class Service:
             return self.process.wait()
 
 
+def canteen_models(registry: Service, *args: str) -> subprocess.CompletedProcess[str]:
+    """``canteen models ARGS`` against a test registry (plaintext, the test admin key)."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "canteen.cli",
+            "models",
+            "--registry",
+            registry.address,
+            "--insecure",
+            "--admin-key",
+            ADMIN_KEY,
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
 def wait_serving(
     address: str,
     service: str,
