@@ -134,10 +134,46 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise InvalidInputError("stop: expected a string or a list of strings")
 
 
+# Fields each endpoint honours; anything else is refused by name, never silently dropped.
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
+    "stop", "seed", "logprobs", "user", "ignore_eos", "priority",
+}  # fmt: skip
+_FIELDS = {
+    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
+    "completion": _COMMON | {"prompt", "echo"},
+}
+# Fields that change nothing at these values (clients send them by default).
+_NO_OP = {
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": (None,),
+    "store": (False, None),
+    "metadata": (None,),
+    "service_tier": ("auto", "default", None),
+    "parallel_tool_calls": (True, None),
+    "suffix": (None, ""),
+    "best_of": (1, None),
+}
+
+
+def _check_fields(kind: str, body: dict[str, Any]) -> None:
+    """Refuses any field this server does not honour, naming it (400)."""
+    for name, value in body.items():
+        if name in _FIELDS[kind]:
+            continue
+        if name in _NO_OP and (value in _NO_OP[name] or value == {}):
+            continue
+        if name in _NO_OP:
+            raise InvalidInputError(f"{name}={value!r}: not supported by this server")
+        raise InvalidInputError(f"{name}: not supported by this server; remove the field")
+
+
 def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
     """Parses a /v1/chat/completions (kind "chat") or /v1/completions body."""
     if not isinstance(body, dict):
         raise InvalidInputError("the request body must be a JSON object")
+    _check_fields(kind, body)
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise InvalidInputError(f"n={n}: must be in 1..{MAX_N}")
@@ -168,6 +204,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=_number(body, "top_p", 1.0),
+        top_k=_get(body, "top_k", int, 0),  # an extension, as in vLLM
         stop=_stop(body),
         top_logprobs=top,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),  # an extension, as in vLLM

@@ -158,6 +158,10 @@ def test_tokenize_and_detokenize_round_trip(suite: TinySuite, tiny_model_dir: Pa
         ({"model": "tiny", "prompt": "a", "max_tokens": 5000}, 400, "exceeds the model's context"),
         ({"model": "nope", "prompt": "a"}, 404, "model 'nope' is not registered"),
         ({"model": "tiny"}, 400, "prompt: expected a string"),
+        # Fields the server does not honour are refused by name, never dropped silently.
+        ({"model": "tiny", "prompt": "a", "frobnicate": 1}, 400, "frobnicate: not supported"),
+        ({"model": "tiny", "prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty=0.5"),
+        ({"model": "tiny", "prompt": "a", "messages": []}, 400, "messages: not supported"),
     ],
 )
 def test_bad_requests_get_openai_errors(
@@ -167,6 +171,22 @@ def test_bad_requests_get_openai_errors(
     assert reply.status_code == status, reply.text
     assert message in reply.json()["error"]["message"]
     assert reply.headers["x-request-id"].startswith("req-")
+
+
+def test_unsupported_features_are_refused_not_ignored(client: openai.OpenAI) -> None:
+    chat = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError, match="response_format: not supported"):
+        client.chat.completions.create(
+            model="tiny", messages=chat, response_format={"type": "json_object"}
+        )
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError, match="tools: not supported"):
+        client.chat.completions.create(model="tiny", messages=chat, tools=[tool])
+    # What clients send by default, at values that change nothing, still works.
+    reply = client.chat.completions.create(
+        model="tiny", messages=chat, max_tokens=2, presence_penalty=0, frequency_penalty=0
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop")
 
 
 def test_the_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
