@@ -3,8 +3,6 @@ model it named, the canary splits by weight, and a model without workers is 503 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -16,7 +14,7 @@ import pytest
 
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support import reference
-from tests.support.suite import ADMIN_KEY, ROOT, Service, Suite
+from tests.support.suite import Service, Suite, canteen_models
 from tests.support.tiny_model import build_tiny_model
 
 WORKER = ("--num-kv-blocks", "64", "--block-size", "8", "--threads", "1")
@@ -44,25 +42,7 @@ class Models:
 
 
 def _cli(registry: Service, *args: str) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "canteen.cli",
-            "models",
-            "--registry",
-            registry.address,
-            "--insecure",
-            "--admin-key",
-            ADMIN_KEY,
-            *args,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = canteen_models(registry, *args)
     assert done.returncode == 0, done.stderr
 
 
@@ -136,6 +116,21 @@ def test_a_pinned_version_runs_on_that_version(models: Models, paths: dict[str, 
             model=ref, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
         )
         assert reply.model == ref and reply.choices[0].text == _greedy(paths, ref)
+
+
+def test_the_two_versions_and_the_other_model_answer_differently(
+    models: Models, paths: dict[str, Path]
+) -> None:
+    """Each model answers with its own weights, so a request routed to the wrong one cannot
+    pass the tests above by chance."""
+    answers = {}
+    for ref in ("tiny:v1", "tiny:v2", "other:v1"):
+        reply = models.client.completions.create(
+            model=ref, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].text == _greedy(paths, ref)
+        answers[ref] = reply.choices[0].text
+    assert len(set(answers.values())) == 3, answers
 
 
 def test_the_canary_splits_and_names_the_version_that_served(

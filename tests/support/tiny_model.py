@@ -40,17 +40,22 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_model(path: Path, seed: int = 0, max_len: int = 1024) -> Path:
-    """Writes a transformers directory (safetensors + tokenizer) to ``path``."""
+def build_tiny_model(path: Path, seed: int = 0, max_len: int = 1024, **shape: int) -> Path:
+    """Writes a transformers directory (safetensors + tokenizer) to ``path``; ``shape``
+    overrides the config's sizes (``hidden_size=512``, ``num_key_value_heads=8``, ...)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
+    sizes = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        **shape,
+    }
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **sizes,
         max_position_embeddings=max_len,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
