@@ -688,18 +688,51 @@ def test_every_service_still_runs_and_logged_no_crash(
     for svc in running:
         assert svc.process.poll() is None, f"{svc.name} exited with {svc.process.returncode}"
     for svc in running:
-        blocks = _unstructured_blocks(svc.log()[log_marks.get(svc.name, 0) :])
-        crashes = [b for b in blocks if any(sign in b for sign in CRASH_SIGNS)]
+        log = svc.log()[log_marks.get(svc.name, 0) :]
+        events, unstructured = _split_log(log)
+        crashes = [b for b in _blocks(unstructured) if any(sign in b for sign in CRASH_SIGNS)]
         assert not crashes, f"{svc.name} logged:\n" + "\n".join(crashes)[-4000:]
+        alarms = [e for e in events if _is_alarm(e)]
+        assert not alarms, f"{svc.name} logged:\n" + "\n".join(map(json.dumps, alarms))[-4000:]
 
 
-def _unstructured_blocks(log: str) -> list[str]:
+# Log events no hostile input may cause: any error, and a lost worker or a refused sequence
+# whatever their level. A test that causes one on purpose names its (service, msg) here.
+ALARMS = ("worker lost", "worker link crashed", "sequence refused")
+DELIBERATE: frozenset[tuple[str, str]] = frozenset()
+
+
+def _is_alarm(event: dict[str, Any]) -> bool:
+    if (event.get("service"), event.get("msg")) in DELIBERATE:
+        return False
+    return event.get("level") in ("error", "critical") or event.get("msg") in ALARMS
+
+
+def _split_log(log: str) -> tuple[list[dict[str, Any]], list[str | None]]:
+    """structlog's JSON lines as events; every other line as text (None where a JSON line
+    stood, so runs of text stay apart)."""
+    events: list[dict[str, Any]] = []
+    lines: list[str | None] = []
+    for line in log.splitlines():
+        try:
+            event = json.loads(line) if line.startswith("{") else None
+        except ValueError:
+            event = None  # a torn or foreign line: judged as text
+        if isinstance(event, dict):
+            events.append(event)
+            lines.append(None)
+        else:
+            lines.append(line)
+    return events, lines
+
+
+def _blocks(lines: list[str | None]) -> list[str]:
     """Runs of lines that are not structured JSON log lines (tracebacks, library warnings),
     less the known noise."""
     blocks: list[list[str]] = []
     is_open = False
-    for line in log.splitlines():
-        if line.startswith("{"):
+    for line in lines:
+        if line is None:
             is_open = False
             continue
         if not is_open:

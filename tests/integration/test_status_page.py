@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service as ChromeService
 from selenium.webdriver.support.ui import WebDriverWait
 
+from canteen.up.state import ChildState, SuiteState
 from canteen.v1 import inference_pb2
 from tests.integration.conftest import NUM_KV_BLOCKS, TinySuite
 
@@ -102,3 +104,45 @@ def test_status_page_shows_the_live_batch_and_block_map(
     wait.until(lambda b: _snapshot(b)["row"] is None)
     wait.until(lambda b: _snapshot(b)["used"] == 0)
     assert _snapshot(browser)["running"] == "running: 0"
+
+
+_SERVICES = """
+return [...document.querySelectorAll("#services tr.child")].map(
+  row => [...row.querySelectorAll("td")].map(td => td.textContent));
+"""
+
+
+def test_status_page_lists_the_suite_s_processes_and_their_restarts(
+    suite: TinySuite, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    """Under canteen up the gateway reads the launcher's state file (--suite-state)."""
+    state_file = tmp_path / "suite.json"
+    state = SuiteState(pid=os.getpid(), base_port=1, http_port=7, host="127.0.0.1", insecure=True)
+    state.children = [
+        ChildState("scheduler", 5002, 5004, pid=41, state="ready"),
+        ChildState("worker-0", 5010, 5074, state="backoff", restarts=2, last_exit="exit code 3"),
+    ]
+    state.write(state_file)
+    gateway = suite.suite.start_gateway(
+        suite.registry, suite.scheduler, "--suite-state", str(state_file), name="gateway-up"
+    )
+    try:
+        browser.get(f"{gateway.http_url}/status?interval=100")
+        wait = WebDriverWait(browser, 30, poll_frequency=0.05)
+        wait.until(lambda b: len(b.execute_script(_SERVICES)) == 2)
+        assert browser.execute_script(_SERVICES) == [
+            ["scheduler", "ready", "41", "5002", "0", "-"],
+            ["worker-0", "backoff", "-", "5010", "2", "exit code 3"],
+        ]
+        # The supervisor starts it again: the page follows the file.
+        state.children[1].state, state.children[1].pid, state.children[1].restarts = (
+            "ready",
+            43,
+            3,
+        )
+        state.write(state_file)
+        wait.until(
+            lambda b: b.execute_script(_SERVICES)[1][:5] == ["worker-0", "ready", "43", "5010", "3"]
+        )
+    finally:
+        gateway.terminate()
