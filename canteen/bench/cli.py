@@ -61,7 +61,9 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--protocol", choices=("grpc", "http"), default="grpc")
     g.add_argument("--address", default=os.environ.get("CANTEEN_GATEWAY", "127.0.0.1:50051"))
-    g.add_argument("--url", default="http://127.0.0.1:8080", help="HTTP base URL")
+    g.add_argument(
+        "--url", default="http://127.0.0.1:50057", help="HTTP base URL (default: canteen up's)"
+    )
     g.add_argument("--api-key", default=os.environ.get("CANTEEN_API_KEY", ""))
     g.add_argument("--model", default="", help="model name or alias (default: the default)")
     g.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
