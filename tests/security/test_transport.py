@@ -6,11 +6,14 @@ import subprocess
 import sys
 
 import grpc
+import httpx
 import pytest
 
 from canteen.tls import Tls, sync_channel
 from canteen.v1 import (
     common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
     registry_pb2,
     registry_pb2_grpc,
     scheduler_pb2,
@@ -187,3 +190,62 @@ def test_health_port_answers_probes_in_plaintext(secure: SecureSuite) -> None:
             )
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert svc.terminate() == 0
+
+
+def test_the_public_ports_serve_tls_when_given_a_certificate(secure: SecureSuite) -> None:
+    certs = secure.certs
+    gateway = secure.suite.start_gateway(
+        secure.registry,
+        secure.scheduler,
+        "--api-keys-file",
+        str(secure.suite.workdir / "keys.txt"),
+        "--public-tls-cert",
+        str(certs / "gateway.pem"),
+        "--public-tls-key",
+        str(certs / "gateway.key"),
+        "--health-port",
+        str(free_port()),
+        name="gateway-public-tls",
+    )
+    credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+    with grpc.secure_channel(gateway.address, credentials) as channel:
+        reply = inference_pb2_grpc.InferenceStub(channel).Complete(
+            inference_pb2.GenerateRequest(prompt="over TLS", max_tokens=3, temperature=0),
+            timeout=60,
+            metadata=(("authorization", f"Bearer {KEY_A}"),),
+        )
+    assert reply.usage.completion_tokens == 3
+    with grpc.insecure_channel(gateway.address) as channel:  # plaintext is refused
+        with pytest.raises(grpc.RpcError) as info:
+            inference_pb2_grpc.InferenceStub(channel).ListModels(
+                inference_pb2.ListModelsRequest(), timeout=5
+            )
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    url = f"https://127.0.0.1:{gateway.http_port}/v1/models"
+    listed = httpx.get(
+        url, headers={"authorization": f"Bearer {KEY_A}"}, verify=str(certs / "ca.pem")
+    )
+    assert listed.status_code == 200 and listed.json()["data"][0]["id"].startswith("tiny")
+    assert gateway.terminate() == 0
+
+
+def test_without_keys_the_gateway_binds_loopback_unless_told(secure: SecureSuite) -> None:
+    args = [
+        sys.executable,
+        "-m",
+        "gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "0",
+        "--http-port",
+        "-1",
+        "--insecure",
+    ]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert (
+        "host='0.0.0.0': without API keys the gateway binds loopback only"
+        in done.stdout + done.stderr
+    )
+    assert "--allow-unauthenticated" in done.stdout + done.stderr

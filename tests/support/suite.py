@@ -199,9 +199,12 @@ class Suite:
         svc.module, svc.args = module, list(args)
         self.services.append(svc)
         tls = None if module == "gateway" else self.tls()
+        address = svc.address
+        if "--health-port" in args:  # plaintext health, whatever the main port speaks
+            address, tls = f"127.0.0.1:{args[args.index('--health-port') + 1]}", None
         try:
             wait_serving(
-                svc.address,
+                address,
                 service if wait_ready else "",
                 ready_timeout,
                 process,
