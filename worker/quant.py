@@ -1,6 +1,6 @@
 """Linear layers prepared once at load for the device's matmul kernel.
 
-    none  dense weights in the model's dtype; on CPU reordered once for oneDNN's matmul.
+    none  dense weights in the model's dtype, contiguous, through ``F.linear``.
     int8  one int8 per weight, one scale per output row: ``torch._weight_int8pack_mm``.
     int4  4-bit weights in groups of 32 along the input, each group with a scale and a zero
           point: ``aten._weight_int4pack_mm_for_cpu``. Its dequantized weight is
@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 QUANTIZATIONS = ("none", "int8", "int4")
 GROUP_SIZE = 32
-PACK_ROWS = 16  # the batch oneDNN's weight layout is chosen for; any batch runs on it
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,28 +54,17 @@ def q4_from_float(weight: torch.Tensor) -> Q4Groups:
 
 
 class DenseLinear:
-    """On CPU the weight is reordered once into oneDNN's blocked layout: measured here (one
-    thread, Zen 4) that ran bfloat16 decode shapes 1.2-3.4x faster than ``F.linear``, and
-    float32 ones at batch 16-32 1.5-2x faster, with the same bfloat16 results."""
+    """``F.linear`` on the weight as loaded. oneDNN's prepacked layout
+    (``mkldnn._reorder_linear_weight``) ran bfloat16 decode shapes 1.2-3.4x faster here, but
+    its per-input-shape state grew the worker's RSS by ~0.5 MiB for every new batch size, past
+    the memory budget under load (tests/integration/test_workers.py); not used until that is
+    bounded."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.contiguous()
         self.bias = bias
-        self.is_packed = (
-            weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-        )
-        if self.is_packed:
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
-        else:
-            self.weight = weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_packed:
-            out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-                x, self.weight, self.bias, "none", [], ""
-            )
-            return out
         return F.linear(x, self.weight, self.bias)
 
 
