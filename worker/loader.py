@@ -85,8 +85,9 @@ def choose_dtype(
     if "amx_bf16" in flags:
         return torch.bfloat16, "--dtype auto: the CPU has AMX (amx_bf16)"
     if "avx512_bf16" in flags:
-        # Measured first on a Zen 4 EPYC without AMX (README, Speed): prepacked bfloat16
-        # linears ran 1.5-4x float32 at batch 1-32 and a SmolLM2 decode step 1.6-1.7x.
+        # Measured first on a Zen 4 EPYC without AMX (README, Speed): bfloat16 linears ran
+        # level with float32 at batch 1 and 1.5-2.5x faster at batch 16-32 (1.2-4x when
+        # prepacked), and a SmolLM2 decode step 1.6-1.7x.
         return torch.bfloat16, "--dtype auto: the CPU has AVX512-BF16 (no AMX)"
     return torch.float32, "--dtype auto: the CPU has neither AMX nor AVX512-BF16"
 
