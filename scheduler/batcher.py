@@ -265,7 +265,9 @@ class BatchScheduler:
     def _release_early(self, seq: Sequence) -> None:
         """This plan samples ``seq``'s last token: no later plan needs its blocks, so the next
         plan may reuse them (the worker runs this one first). Its drop rides on the next
-        plan too; its full blocks stay cached only if they were committed already."""
+        plan too. Full blocks of known tokens that plans in flight compute are committed to
+        the prefix cache now: any plan that reads them runs after the one computing them."""
+        self._commit_full_blocks(seq, min(seq.num_scheduled, seq.num_tokens))
         self.pool.free(seq.block_ids)
         seq.block_ids, seq.num_sent_blocks = [], 0
         self._pending_drops.append(seq.seq_id)
@@ -277,10 +279,12 @@ class BatchScheduler:
             self.pool.free(seq.block_ids)
         seq.block_ids, seq.block_keys, seq.num_computed, seq.num_sent_blocks = [], [], 0, 0
 
-    def _commit_full_blocks(self, seq: Sequence) -> None:
-        """Keys every block that became full and computed, so other sequences can share it."""
+    def _commit_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Keys every block that became full and computed (of the first ``num_tokens``,
+        default the computed ones), so other sequences can share it."""
         bs = self.pool.block_size
-        num_full = min(seq.num_computed // bs, len(seq.block_ids))
+        done = seq.num_computed if num_tokens is None else num_tokens
+        num_full = min(done // bs, len(seq.block_ids))
         if len(seq.block_keys) >= num_full:
             return
         tokens = seq.tokens

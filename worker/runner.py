@@ -64,6 +64,9 @@ class ModelRunner:
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
         self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
+        # A decode group gathers at most what the warm-up's decode did (one sequence after a
+        # max_batched_tokens prefill), so the warm-up's peak bounds every later step's memory.
+        self.max_group_blocks = min(num_blocks, self.blocks_for(max_batched_tokens + 1))
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -197,7 +200,7 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             max_scores=self.max_batched_tokens**2,
-            decodes=[self._decode_group(g) for g in group_decodes(decodes, self.num_blocks)],
+            decodes=[self._decode_group(g) for g in group_decodes(decodes, self.max_group_blocks)],
             prefills=[self._prefill_span(*span) for span in spans],
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)

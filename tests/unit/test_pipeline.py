@@ -118,3 +118,24 @@ def test_pipelined_streams_are_exact_and_blocks_all_come_back(
         assert seq.output_ids == expected_tokens(seq.prompt_ids, len(seq.output_ids))
         if seq.finish is Finish.LENGTH:
             assert len(seq.output_ids) == seq.max_tokens
+
+
+def test_a_short_request_still_leaves_its_prompt_in_the_prefix_cache() -> None:
+    # max_tokens=2: the plan sampling its last token is sent before the prefill returns,
+    # and gives the blocks back at once; the prompt's full blocks must stay cached.
+    limits = BatchConfig(max_batched_tokens=64, max_num_seqs=16, max_step_stall=0)
+    sched = BatchScheduler(BlockPool(64, BLOCK_SIZE, enable_prefix_cache=True), limits)
+    worker = FakeWorker(64)
+    first = make_seq("first", prompt_len=13, max_tokens=2)
+    sched.add(first)
+    sent: deque[StepPlan] = deque()
+    while not first.is_finished or sent:
+        pump(sched, worker, sent)
+    assert first.output_ids == expected_tokens(first.prompt_ids, 2)
+    again = make_seq("first", prompt_len=13, max_tokens=2)  # the same prompt
+    again.seq_id = "again"
+    sched.add(again)
+    while not again.is_finished or sent or sched.has_work:
+        pump(sched, worker, sent)
+    assert again.num_cached_tokens == 12  # three full blocks of 4
+    assert again.output_ids == expected_tokens(again.prompt_ids, 2)
