@@ -166,15 +166,31 @@ def test_a_flood_is_shed_at_the_queue_and_health_keeps_answering(stack: Stack) -
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
-    for s in streams:
-        s.start()
-    for s in streams:
+    # The workers are busy (paused mid-step): nothing leaves the queue while the flood
+    # arrives, so what is past --max-queue 6 is shed, however fast the steps would be.
+    lead = Stream(stack.gateway.address, "flood lead", 200)
+    lead.start()
+    until(lambda: len(lead.tokens) >= 2, 60, "the lead stream to start")
+    workers = list(stack.workers.values())
+    for worker in workers:
+        worker.process.send_signal(signal.SIGSTOP)
+    try:
+        for s in streams:
+            s.start()
+        # A plan already on its way may admit a few more before the link waits on the
+        # paused worker; everything else is queued (6) or shed at once.
+        until(lambda: sum(not s.is_alive() for s in streams) >= 30, 20, "the flood to be shed")
+        time.sleep(2)  # the last arrivals: queued or shed
+    finally:
+        for worker in workers:
+            worker.process.send_signal(signal.SIGCONT)
+    for s in [lead, *streams]:
         s.join(180)
     stop.set()
     prober.join(10)
     shed = [s for s in streams if s.error is not None]
-    served = [s for s in streams if s.error is None]
-    assert shed and served
+    served = [s for s in [lead, *streams] if s.error is None]
+    assert len(shed) >= 30 and len(served) >= 7 and len(shed) + len(served) == 61
     for s in shed:
         assert s.error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, s.error
         assert "queue is full" in s.error.details()
