@@ -30,13 +30,17 @@ from canteen.v1 import inference_pb2, inference_pb2_grpc
 from tests.support.suite import default_model_stack
 
 
-async def over_grpc(address: str, n: int, tokens: int) -> float:
+async def over_grpc(address: str, n: int, tokens: int, tag: str = "") -> float:
+    """Output tok/s of ``n`` concurrent greedy streams; ``tag`` makes the prompts new."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
 
         async def one(i: int) -> int:
             req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
-            req.messages.messages.add(role="user", content=QUESTIONS[i % len(QUESTIONS)])
+            question = QUESTIONS[i % len(QUESTIONS)]
+            req.messages.messages.add(
+                role="user", content=f"({tag}, {i}) {question}" if tag else question
+            )
             return sum([len(m.token_ids) async for m in stub.Generate(req, timeout=600)])
 
         start = time.perf_counter()

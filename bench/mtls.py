@@ -19,34 +19,14 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import cpu_model
-from bench.throughput import QUESTIONS
+from bench.http_vs_grpc import over_grpc as throughput
 from canteen.certs import make_suite_certs
-from canteen.v1 import inference_pb2, inference_pb2_grpc
 from tests.support.suite import default_model_stack
-
-
-async def throughput(address: str, n: int, tokens: int, tag: str) -> float:
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-
-        async def one(i: int) -> int:
-            req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
-            question = QUESTIONS[i % len(QUESTIONS)]
-            req.messages.messages.add(role="user", content=f"({tag}, {i}) {question}")
-            return sum([len(m.token_ids) async for m in stub.Generate(req, timeout=600)])
-
-        start = time.perf_counter()
-        produced = sum(await asyncio.gather(*(one(i) for i in range(n))))
-    assert produced == n * tokens, produced
-    return produced / (time.perf_counter() - start)
 
 
 def main() -> None:
