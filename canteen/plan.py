@@ -7,6 +7,7 @@ worker: it appends them itself.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -18,6 +19,46 @@ MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # higher runs first; keys may cap it l
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
+CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex or grammar; choices count all options
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, as the client wrote it (compiled by canteen/grammar.py).
+
+    ``text`` is the JSON schema, regex or grammar; ``choices`` the options of a choice; a
+    ``json_object`` constraint has neither.
+    """
+
+    kind: str
+    text: str = ""
+    choices: tuple[str, ...] = ()
+
+    def problem(self) -> str | None:
+        """Shape errors only (kind, sizes, JSON syntax); the grammar engine checks the rest."""
+        if self.kind not in CONSTRAINT_KINDS:
+            return f"constraint kind {self.kind!r}: must be one of {', '.join(CONSTRAINT_KINDS)}"
+        size = len(self.text) + sum(len(c) for c in self.choices)
+        if size > MAX_CONSTRAINT_CHARS:
+            return f"{self.kind} has {size} characters; the limit is {MAX_CONSTRAINT_CHARS}"
+        if self.kind == "choice":
+            if not 1 <= len(self.choices) <= MAX_CHOICES:
+                return f"choice has {len(self.choices)} options; must be 1..{MAX_CHOICES}"
+            if not all(self.choices):
+                return "choice: options must not be empty strings"
+        elif self.kind in ("regex", "grammar") and not self.text:
+            return f"{self.kind} must not be empty"
+        elif self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except ValueError as exc:
+                return f"json_schema is not valid JSON: {exc}"
+            if not isinstance(schema, dict | bool):
+                return "json_schema must be a JSON object"
+        return None
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -28,6 +69,7 @@ class Sampling:
     top_k: int = 0
     seed: int = 0
     top_logprobs: int = 0
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -51,6 +93,8 @@ class Sampling:
             return f"seed={self.seed}: must be in 0..2**64-1"
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             return f"top_logprobs={self.top_logprobs}: must be in 0..{MAX_TOP_LOGPROBS}"
+        if self.constraint is not None:
+            return self.constraint.problem()
         return None
 
 
@@ -63,6 +107,7 @@ class NewSequence:
     num_cached_tokens: int = 0
     traceparent: str = ""  # W3C trace context of the request; empty when untraced
     request_id: str = ""  # the client's label, for log lines only
+    num_prompt_tokens: int = 0  # of token_ids; the rest were generated before a resume
 
 
 @dataclass(frozen=True)

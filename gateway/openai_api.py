@@ -8,12 +8,14 @@ wrong type or range is refused with a message naming it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from canteen.plan import MAX_TOP_LOGPROBS
+from canteen.codec import random_seed
+from canteen.plan import MAX_TOP_LOGPROBS, Sampling
 from gateway.errors import InvalidInputError
 from gateway.service import GenerateInput, TextDelta
+from gateway.structured import CONSTRAINT_FIELDS, constraint_from_body
 
 MAX_N = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64; sent upstream modulo 2**64
@@ -140,8 +142,8 @@ _COMMON = {
     "stop", "seed", "logprobs", "user", "ignore_eos", "priority",
 }  # fmt: skip
 _FIELDS = {
-    "chat": _COMMON | {"messages", "max_completion_tokens", "top_logprobs"},
-    "completion": _COMMON | {"prompt", "echo"},
+    "chat": _COMMON | CONSTRAINT_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+    "completion": _COMMON | CONSTRAINT_FIELDS | {"prompt", "echo"},
 }
 # Fields that change nothing at these values (clients send them by default).
 _NO_OP = {
@@ -180,9 +182,6 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
-    temperature = _number(body, "temperature", 1.0)
-    if not 0 <= temperature <= 2:
-        raise InvalidInputError(f"temperature={temperature}: must be in [0, 2]")
     if kind == "chat":
         logprobs = bool(_get(body, "logprobs", bool, False))
         top = _get(body, "top_logprobs", int, 0)
@@ -199,14 +198,19 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
     seed = _get(body, "seed", int, None)
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         raise InvalidInputError(f"seed={seed}: must be in {SEED_MIN}..{SEED_MAX}")
+    sampling = Sampling(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_get(body, "top_k", int, 0),  # an extension, as in vLLM
+        top_logprobs=top,
+        constraint=constraint_from_body(body),
+    )
+    if (problem := sampling.problem()) is not None:
+        raise InvalidInputError(problem)
     common = dict(
         model=_get(body, "model", str, ""),
         max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=_number(body, "top_p", 1.0),
-        top_k=_get(body, "top_k", int, 0),  # an extension, as in vLLM
         stop=_stop(body),
-        top_logprobs=top,
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),  # an extension, as in vLLM
         priority=_get(body, "priority", int, 0),  # an extension, as in vLLM; keys cap it
     )
@@ -217,7 +221,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
             request_id=request_id if n == 1 else f"{request_id}-{i}",
             prompt=prompt,
             messages=messages,
-            seed=None if seed is None else (seed + i) % 2**64,
+            sampling=replace(sampling, seed=random_seed() if seed is None else (seed + i) % 2**64),
             **common,
         )
         for i in range(n)

@@ -8,6 +8,7 @@ import grpc
 import structlog
 
 from canteen.auth import ApiKeys, AuthenticationError, Principal
+from canteen.codec import sampling_from_request
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from gateway.errors import status_of
 from gateway.limits import RateLimitedError
@@ -36,15 +37,11 @@ def input_from_pb(
             else None
         ),
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
+        sampling=sampling_from_request(msg),
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
-        top_logprobs=msg.top_logprobs,
     )
 
 

@@ -8,7 +8,6 @@ cancelling the request upstream so its blocks are freed at once.
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 import time
 import uuid
@@ -19,6 +18,8 @@ import grpc
 from opentelemetry.trace import Span
 
 from canteen.auth import ANONYMOUS, Principal
+from canteen.codec import sampling_to_pb
+from canteen.grammar import ConstraintError
 from canteen.logging import get_logger
 from canteen.plan import Sampling
 from canteen.tracing import context_from_traceparent, get_tracer, trace_id_of, trace_metadata
@@ -54,15 +55,11 @@ class GenerateInput:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+    sampling: Sampling = field(default_factory=Sampling)  # seeded: the edge draws a seed
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
-    top_logprobs: int = 0
     traceparent: str = ""  # the caller's W3C trace context, if it sent one
     arrival: float = field(default_factory=time.monotonic)
 
@@ -156,8 +153,7 @@ class InferenceService:
                 f"max_tokens={inp.max_tokens}: the limit is {c.max_output_tokens} "
                 "(--max-output-tokens)"
             )
-        sampling = Sampling(inp.temperature, inp.top_p, inp.top_k, inp.seed or 0, inp.top_logprobs)
-        if (problem := sampling.problem()) is not None:
+        if (problem := inp.sampling.problem()) is not None:
             raise InvalidInputError(problem)
         if len(inp.stop) > c.max_stop_strings:
             raise InvalidInputError(
@@ -183,6 +179,11 @@ class InferenceService:
             raise InvalidInputError(str(exc)) from exc
         if not ids:
             raise InvalidInputError("the prompt is empty after tokenization")
+        if (constraint := inp.sampling.constraint) is not None:
+            try:
+                tokenizer.check_constraint(constraint)
+            except ConstraintError as exc:
+                raise InvalidInputError(str(exc)) from None
         if self.config.max_prompt_tokens and len(ids) > self.config.max_prompt_tokens:
             raise InvalidInputError(
                 f"prompt has {len(ids)} tokens; the limit is {self.config.max_prompt_tokens} "
@@ -325,13 +326,7 @@ class InferenceService:
             version=model.version,
             prompt_token_ids=ids,
             max_tokens=admitted.max_tokens,
-            sampling=common_pb2.SamplingParams(
-                temperature=inp.temperature,
-                top_p=inp.top_p,
-                top_k=inp.top_k,
-                seed=inp.seed if inp.seed is not None else random.getrandbits(63),
-                top_logprobs=inp.top_logprobs,
-            ),
+            sampling=sampling_to_pb(inp.sampling),
             stop_token_ids=inp.stop_token_ids,
             ignore_eos=inp.ignore_eos,
             priority=inp.priority,

@@ -8,6 +8,8 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from canteen.grammar import GrammarCompiler
+from canteen.plan import Constraint
 from gateway.catalog import ModelVersion
 
 
@@ -29,6 +31,14 @@ class Tokenizer:
     def __init__(self, hf: Any) -> None:
         self.hf = hf
         self.vocab_size = len(hf)
+        self._grammar: GrammarCompiler | None = None
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Compiles ``constraint`` for this tokenizer (cached by content); raises
+        ConstraintError naming what the grammar engine refused."""
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.hf)
+        self._grammar.compile(constraint)
 
     def encode(self, text: str) -> list[int]:
         _check_unicode(text, "the text")

@@ -354,6 +354,7 @@ class BatchScheduler:
                         seq.num_computed,
                         seq.traceparent,
                         seq.request_id,
+                        len(seq.prompt_ids),
                     )
                 )
                 seq.is_on_worker, fresh = True, ()

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from canteen.plan import Sampling
+from canteen.codec import sampling_from_pb
 from canteen.tracing import context_from_metadata
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from scheduler.sequence import Finish
@@ -37,14 +37,13 @@ _ERRORS = {
 def params_from_pb(
     msg: scheduler_pb2.ScheduleRequest, time_remaining: float | None = None
 ) -> GenerateParams:
-    s = msg.sampling
     return GenerateParams(
         request_id=msg.request_id,
         model=msg.model,
         version=msg.version,
         prompt_ids=list(msg.prompt_token_ids),
         max_tokens=msg.max_tokens,
-        sampling=Sampling(s.temperature, s.top_p, s.top_k, s.seed, s.top_logprobs),
+        sampling=sampling_from_pb(msg.sampling),
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,

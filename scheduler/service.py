@@ -82,7 +82,8 @@ class SchedulerService:
                 f"the waiting queue is full ({self.max_queue} requests); retry later"
             )
         stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
+        if not params.ignore_eos or params.sampling.constraint is not None:
+            # a complete constraint ends with EOS, the only token its grammar then allows
             stop_ids |= desc.eos_token_ids
         seq = Sequence(
             request_id=params.request_id,

@@ -2,18 +2,9 @@
 
 from __future__ import annotations
 
-from canteen.plan import FailedSequence, SampledToken, Sampling, StepPlan, StepResult
-from canteen.v1 import common_pb2, worker_pb2
-
-
-def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        seed=sampling.seed,
-        top_logprobs=sampling.top_logprobs,
-    )
+from canteen.codec import sampling_to_pb
+from canteen.plan import FailedSequence, SampledToken, StepPlan, StepResult
+from canteen.v1 import worker_pb2
 
 
 def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
@@ -28,6 +19,7 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
                 num_cached_tokens=n.num_cached_tokens,
                 traceparent=n.traceparent,
                 request_id=n.request_id,
+                num_prompt_tokens=n.num_prompt_tokens,
             )
             for n in plan.new_sequences
         ],

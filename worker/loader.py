@@ -46,6 +46,8 @@ class LoadedModel:
     dtype_reason: str = ""
     quantization: str = "none"
     forward_name: str = "transformers"
+    path: str = ""  # where the weights (and the tokenizer) came from
+    fmt: str = ""
 
 
 def pick_device(requested: str) -> torch.device:
@@ -163,6 +165,8 @@ def load_model(
         dtype_reason=dtype_reason,
         quantization=quantization,
         forward_name=forward,
+        path=path,
+        fmt=fmt,
     )
 
 

@@ -22,6 +22,7 @@ from canteen.plan import (
     StepResult,
 )
 from worker.attention import DecodeGroup, PagedBatch, PrefillSpan
+from worker.constrain import Constraints, load_tokenizer
 from worker.guard import BlockLedger, EntryError
 from worker.loader import LoadedModel
 from worker.sampler import sample
@@ -64,6 +65,9 @@ class ModelRunner:
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
         self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
+        self.constraints = Constraints(
+            lambda: load_tokenizer(loaded.path, loaded.fmt), self.vocab_size, loaded.eos_token_ids
+        )
         # A decode group gathers at most what the warm-up's decode did (one sequence after a
         # max_batched_tokens prefill), so the warm-up's peak bounds every later step's memory.
         self.max_group_blocks = min(num_blocks, self.blocks_for(max_batched_tokens + 1))
@@ -102,6 +106,7 @@ class ModelRunner:
         """Forgets every sequence (a new Run stream owns the worker from here on)."""
         self.sequences.clear()
         self.ledger.release_all()
+        self.constraints.clear()
 
     def _apply(self, plan: StepPlan) -> tuple[StepPlan, list[FailedSequence]]:
         """Applies drops and new sequences; returns the entries that can run this step and
@@ -132,6 +137,7 @@ class ModelRunner:
         seq = self.sequences.pop(seq_id, None)
         if seq is not None:
             self.ledger.release(seq.block_ids)
+            self.constraints.drop(seq_id)
 
     def _add(self, new: NewSequence) -> None:
         if new.seq_id in self.sequences:
@@ -143,6 +149,10 @@ class ModelRunner:
                 f"{len(new.token_ids)} tokens exceed the context of {self.max_model_len}",
             )
         keys = self.ledger.check_new(new)
+        if new.sampling.constraint is not None:
+            # tokens past the prompt were generated before a resume: the grammar saw them
+            generated = new.token_ids[new.num_prompt_tokens :] if new.num_prompt_tokens else ()
+            self.constraints.add(new.seq_id, new.sampling.constraint, generated)
         self.ledger.hold(new.block_ids)
         self.sequences[new.seq_id] = SequenceState(
             new.seq_id,
@@ -245,14 +255,17 @@ class ModelRunner:
                 sampling_seqs.append(seq)
         if not sampling_seqs:
             return []
+        rows = logits[: len(sampling_seqs)].float()  # float32 logits: the same tensor
+        seq_ids = [s.seq_id for s in sampling_seqs]
+        if self.constraints.has_any(seq_ids):
+            self.constraints.mask(rows, seq_ids)
         token_ids, logprobs, tops = sample(
-            logits[: len(sampling_seqs)],
-            [s.sampling for s in sampling_seqs],
-            [len(s.tokens) for s in sampling_seqs],
+            rows, [s.sampling for s in sampling_seqs], [len(s.tokens) for s in sampling_seqs]
         )
         out = []
         for seq, token, logprob, top in zip(sampling_seqs, token_ids, logprobs, tops, strict=True):
             seq.tokens.append(token)
+            self.constraints.advance(seq.seq_id, token)
             out.append(SampledToken(seq.seq_id, token, logprob, top))
         return out
 

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from canteen.codec import sampling_from_pb
 from canteen.logging import get_logger
-from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan, StepResult
+from canteen.plan import NewSequence, ScheduledSequence, StepPlan, StepResult
 from canteen.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker.memory import PoolSize
 from worker.observe import SequenceSpans, WorkerMetrics
@@ -28,10 +29,6 @@ class WorkerIdentity:
     max_batched_tokens: int
 
 
-def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
-    return Sampling(msg.temperature, msg.top_p, msg.top_k, msg.seed, msg.top_logprobs)
-
-
 def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
     return StepPlan(
         step_id=msg.step_id,
@@ -44,6 +41,7 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
                 n.num_cached_tokens,
                 n.traceparent,
                 n.request_id,
+                n.num_prompt_tokens,
             )
             for n in msg.new_sequences
         ),

@@ -62,6 +62,7 @@ class SamplingParams(_message.Message):
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    CONSTRAINT_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature; 0 means greedy (argmax)."""
     top_p: _builtins.float
@@ -72,6 +73,10 @@ class SamplingParams(_message.Message):
     """Seed of the sequence's randomness; a token's draw depends only on (seed, its position)."""
     top_logprobs: _builtins.int
     """Most likely alternatives to report with each sampled token, 0..20."""
+    @_builtins.property
+    def constraint(self) -> Global___Constraint:
+        """What the output must match; unset means free text."""
+
     def __init__(
         self,
         *,
@@ -80,14 +85,84 @@ class SamplingParams(_message.Message):
         top_k: _builtins.int = ...,
         seed: _builtins.int = ...,
         top_logprobs: _builtins.int = ...,
+        constraint: Global___Constraint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraint", b"constraint", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class Constraint(_message.Message):
+    """A constraint on the generated text, enforced token by token by a grammar engine
+    (llguidance): the worker masks every token that cannot continue a valid output, and the
+    sequence stops when the grammar is complete.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_object: _builtins.bool
+    """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
+    json_schema: _builtins.str
+    """A JSON Schema, as JSON text; the output is JSON that validates against it."""
+    regex: _builtins.str
+    """A regular expression (Rust regex syntax) the whole output matches."""
+    grammar: _builtins.str
+    """A context-free grammar: Lark syntax (llguidance's) or llama.cpp's GBNF."""
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_object: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___Constraint: _TypeAlias = Constraint  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    """The strings a choice constraint picks from."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def options(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """At least one string, none empty."""
+
+    def __init__(
+        self,
+        *,
+        options: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
 
 @_typing.final
 class TopLogprobs(_message.Message):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from canteen.v1 import common_pb2 as canteen_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/inference.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.canteen.v1.ChatMessage\"\xe6\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xe2\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\"\xa1\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x10\n\x08is_ready\x18\x04 \x01(\x08\"R\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.canteen.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"i\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"1\n\x12\x44\x65tokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t2\xfc\x02\n\tInference\x12G\n\x08Generate\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.canteen.v1.ListModelsRequest\x1a\x1e.canteen.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.canteen.v1.TokenizeRequest\x1a\x1c.canteen.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.canteen.v1.DetokenizeRequest\x1a\x1e.canteen.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/inference.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.canteen.v1.ChatMessage\"\x92\x03\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12*\n\nconstraint\x18\x0e \x01(\x0b\x32\x16.canteen.v1.ConstraintB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"\xe2\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\"\xa1\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x10\n\x08is_ready\x18\x04 \x01(\x08\"R\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.canteen.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"i\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"1\n\x12\x44\x65tokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t2\xfc\x02\n\tInference\x12G\n\x08Generate\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.canteen.v1.ListModelsRequest\x1a\x1e.canteen.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.canteen.v1.TokenizeRequest\x1a\x1c.canteen.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.canteen.v1.DetokenizeRequest\x1a\x1e.canteen.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,25 +37,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=113
   _globals['_CHATMESSAGES']._serialized_end=170
   _globals['_GENERATEREQUEST']._serialized_start=173
-  _globals['_GENERATEREQUEST']._serialized_end=531
-  _globals['_GENERATERESPONSE']._serialized_start=534
-  _globals['_GENERATERESPONSE']._serialized_end=760
-  _globals['_COMPLETERESPONSE']._serialized_start=763
-  _globals['_COMPLETERESPONSE']._serialized_end=924
-  _globals['_LISTMODELSREQUEST']._serialized_start=926
-  _globals['_LISTMODELSREQUEST']._serialized_end=945
-  _globals['_MODELINFO']._serialized_start=947
-  _globals['_MODELINFO']._serialized_end=1030
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1032
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1114
-  _globals['_TOKENIZEREQUEST']._serialized_start=1116
-  _globals['_TOKENIZEREQUEST']._serialized_end=1221
-  _globals['_TOKENIZERESPONSE']._serialized_start=1223
-  _globals['_TOKENIZERESPONSE']._serialized_end=1275
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1277
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1330
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1332
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1381
-  _globals['_INFERENCE']._serialized_start=1384
-  _globals['_INFERENCE']._serialized_end=1764
+  _globals['_GENERATEREQUEST']._serialized_end=575
+  _globals['_GENERATERESPONSE']._serialized_start=578
+  _globals['_GENERATERESPONSE']._serialized_end=804
+  _globals['_COMPLETERESPONSE']._serialized_start=807
+  _globals['_COMPLETERESPONSE']._serialized_end=968
+  _globals['_LISTMODELSREQUEST']._serialized_start=970
+  _globals['_LISTMODELSREQUEST']._serialized_end=989
+  _globals['_MODELINFO']._serialized_start=991
+  _globals['_MODELINFO']._serialized_end=1074
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1076
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1158
+  _globals['_TOKENIZEREQUEST']._serialized_start=1160
+  _globals['_TOKENIZEREQUEST']._serialized_end=1265
+  _globals['_TOKENIZERESPONSE']._serialized_start=1267
+  _globals['_TOKENIZERESPONSE']._serialized_end=1319
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1321
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1374
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1376
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1425
+  _globals['_INFERENCE']._serialized_start=1428
+  _globals['_INFERENCE']._serialized_end=1808
 # @@protoc_insertion_point(module_scope)

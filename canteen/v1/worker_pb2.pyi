@@ -137,6 +137,7 @@ class NewSequence(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     """Sequence id, made by the scheduler and unique within the Run stream (never a client's
     label).
@@ -150,6 +151,10 @@ class NewSequence(_message.Message):
     """
     request_id: _builtins.str
     """The client's request label, for the worker's log lines only (never a key)."""
+    num_prompt_tokens: _builtins.int
+    """How many of token_ids are the prompt; the rest were generated before a preemption or
+    failover, and a constrained sequence's grammar state is rebuilt from them.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """All token ids known so far: the prompt, plus tokens generated before a preemption or failover."""
@@ -172,10 +177,11 @@ class NewSequence(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         traceparent: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        num_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "request_id", b"request_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -50,8 +50,8 @@ def _instrumented() -> contextlib.AbstractContextManager[object]:
 
 
 with _instrumented():
-    from canteen.plan import MAX_TOP_LOGPROBS
-    from canteen.v1 import common_pb2
+    from canteen.codec import sampling_to_pb
+    from canteen.plan import MAX_TOP_LOGPROBS, Sampling
     from gateway.config import GatewayConfig
     from gateway.errors import InvalidInputError
     from gateway.openai_api import MAX_N, parse_request
@@ -134,8 +134,9 @@ def check_parse_request(kind: str, body: object) -> None:
         for m in inp.messages or []:
             assert isinstance(m["role"], str) and isinstance(m["content"], str), m
             m["content"].encode("utf-8")
-        assert isinstance(inp.temperature, float) and 0 <= inp.temperature <= 2
-        assert isinstance(inp.top_p, float)
+        s = inp.sampling
+        assert isinstance(s.temperature, float) and 0 <= s.temperature <= 2
+        assert isinstance(s.top_p, float)
         check_shape(inp)
 
 
@@ -146,18 +147,13 @@ def check_shape(inp: GenerateInput) -> None:
     except InvalidInputError as exc:
         assert str(exc), "an InvalidInputError without a message"
         return
-    assert inp.temperature >= 0 and 0 < inp.top_p <= 1 and inp.top_k >= 0
-    assert 0 <= inp.top_logprobs <= MAX_TOP_LOGPROBS
+    s = inp.sampling
+    assert s.temperature >= 0 and 0 < s.top_p <= 1 and s.top_k >= 0
+    assert 0 <= s.top_logprobs <= MAX_TOP_LOGPROBS
     assert inp.max_tokens is None or inp.max_tokens >= 1
     assert len(inp.stop) <= CONFIG.max_stop_strings
     # What gateway.service builds upstream from an accepted input must not raise.
-    common_pb2.SamplingParams(
-        temperature=inp.temperature,
-        top_p=inp.top_p,
-        top_k=inp.top_k,
-        seed=inp.seed if inp.seed is not None else 0,
-        top_logprobs=inp.top_logprobs,
-    )
+    sampling_to_pb(s)
 
 
 _TOKENIZER: list[Tokenizer] = []
@@ -328,14 +324,16 @@ def fuzz_check_shape(data: bytes) -> None:
         prompt=("x" * (CONFIG.max_prompt_chars + 1) if big else _text(fdp)) if has_prompt else None,
         messages=None if has_prompt and fdp.ConsumeIntInRange(0, 9) else messages,
         max_tokens=_int(fdp) if fdp.ConsumeBool() else None,
-        temperature=_float(fdp),
-        top_p=_float(fdp),
-        top_k=_int32(fdp),  # int32 on the gRPC edge; the HTTP edge does not take it
-        seed=fdp.ConsumeIntInRange(0, 2**64 - 1) if fdp.ConsumeBool() else None,
+        sampling=Sampling(
+            temperature=_float(fdp),
+            top_p=_float(fdp),
+            top_k=_int32(fdp),  # int32 on the gRPC edge
+            seed=fdp.ConsumeIntInRange(0, 2**64 - 1),
+            top_logprobs=_int(fdp),
+        ),
         stop=[_text(fdp, 300) for _ in range(fdp.ConsumeIntInRange(0, 18))],
         stop_token_ids=[_int32(fdp) for _ in range(fdp.ConsumeIntInRange(0, 4))],
         priority=_int32(fdp),
-        top_logprobs=_int(fdp),
     )
     check_shape(inp)
 

@@ -63,7 +63,7 @@ def test_parse_request_regressions(kind: str, body: object, message: str | None)
     fuzz_edge.check_parse_request(kind, body)  # no exception but InvalidInputError
     if message is None:
         req = parse_request(kind, body, "req-1")
-        assert all(0 <= i.seed < 2**64 for i in req.inputs if i.seed is not None)
+        assert all(0 <= i.sampling.seed < 2**64 for i in req.inputs)
         return
     with pytest.raises(InvalidInputError) as info:
         parse_request(kind, body, "req-1")
@@ -72,8 +72,9 @@ def test_parse_request_regressions(kind: str, body: object, message: str | None)
 
 def test_seeds_of_n_choices_wrap_around_uint64() -> None:
     req = parse_request("chat", {"messages": HELLO, "seed": 2**64 - 2, "n": 3}, "r")
-    assert [i.seed for i in req.inputs] == [2**64 - 2, 2**64 - 1, 0]
-    assert parse_request("chat", {"messages": HELLO, "seed": -1}, "r").inputs[0].seed == 2**64 - 1
+    assert [i.sampling.seed for i in req.inputs] == [2**64 - 2, 2**64 - 1, 0]
+    inp = parse_request("chat", {"messages": HELLO, "seed": -1}, "r").inputs[0]
+    assert inp.sampling.seed == 2**64 - 1
 
 
 def test_tokenizer_refuses_lone_surrogates_naming_the_field() -> None:
@@ -87,12 +88,14 @@ def test_tokenizer_refuses_lone_surrogates_naming_the_field() -> None:
 
 def test_check_shape_regressions() -> None:
     for inp in (
-        GenerateInput("r", prompt="hi", temperature=float("nan")),
-        GenerateInput("r", prompt="hi", top_p=float("inf")),
-        GenerateInput("r", prompt="hi", top_logprobs=2**31 - 1),
+        GenerateInput("r", prompt="hi", sampling=Sampling(temperature=float("nan"))),
+        GenerateInput("r", prompt="hi", sampling=Sampling(top_p=float("inf"))),
+        GenerateInput("r", prompt="hi", sampling=Sampling(top_logprobs=2**31 - 1)),
         GenerateInput("r", messages=[{"role": "user", "content": "x"}] * 257),
         GenerateInput("r", prompt="hi", stop=["x" * 257]),
-        GenerateInput("r", prompt="hi", max_tokens=2**200, seed=2**64 - 1, top_k=2**31 - 1),
+        GenerateInput(
+            "r", prompt="hi", max_tokens=2**200, sampling=Sampling(seed=2**64 - 1, top_k=2**31 - 1)
+        ),
     ):
         fuzz_edge.check_shape(inp)
 
@@ -102,7 +105,9 @@ def test_a_temperature_check_shape_accepts_never_breaks_the_sampler() -> None:
     for value in (1e-40, 1e-38, 1e-20, 1e-6):
         temperature = float(np.float32(value))  # what the proto's float field carries
         try:
-            fuzz_edge.SERVICE.check_shape(GenerateInput("r", prompt="hi", temperature=temperature))
+            fuzz_edge.SERVICE.check_shape(
+                GenerateInput("r", prompt="hi", sampling=Sampling(temperature=temperature))
+            )
         except InvalidInputError:
             continue
         sample(logits, [Sampling(temperature=temperature, seed=1)], [0])

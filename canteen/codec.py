@@ -1,0 +1,78 @@
+"""The one codec between sampling messages and the domain type ``canteen.plan.Sampling``.
+
+Fields travel by name: every field of ``Sampling`` is read from, and written to, the protobuf
+field of the same name. Adding a sampling parameter therefore means the proto, the domain
+type (with its bounds in ``Sampling.problem``) and the code that uses it; the gateway, the
+scheduler and the worker all convert through here.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import fields
+from typing import Any
+
+from canteen.plan import Constraint, Sampling
+from canteen.v1 import common_pb2, inference_pb2
+
+_PLAIN = tuple(f.name for f in fields(Sampling) if f.name != "constraint")
+_DEFAULTS = Sampling()
+
+
+def constraint_to_pb(constraint: Constraint) -> common_pb2.Constraint:
+    msg = common_pb2.Constraint()
+    if constraint.kind == "json_object":
+        msg.json_object = True
+    elif constraint.kind == "choice":
+        msg.choice.options.extend(constraint.choices)
+    else:
+        setattr(msg, constraint.kind, constraint.text)
+    return msg
+
+
+def constraint_from_pb(msg: common_pb2.Constraint) -> Constraint | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.options))
+    return Constraint(kind, text=getattr(msg, kind))
+
+
+def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(**{name: getattr(sampling, name) for name in _PLAIN})
+    if sampling.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_pb(sampling.constraint))
+    return msg
+
+
+def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
+    """Between services: every field is set by the sender, so values are taken as they are."""
+    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _PLAIN}
+    constraint = constraint_from_pb(msg.constraint) if msg.HasField("constraint") else None
+    return Sampling(**kwargs, constraint=constraint)
+
+
+def sampling_from_request(msg: inference_pb2.GenerateRequest) -> Sampling:
+    """From a public request (``GenerateRequest``): a field the client left unset takes the
+    domain default, and an unset seed a random one (so a resumed stream keeps its seed)."""
+    kwargs: dict[str, Any] = {}
+    present = {field.name for field, _ in msg.ListFields()}
+    for name in _PLAIN:
+        field = msg.DESCRIPTOR.fields_by_name.get(name)
+        if field is None or (field.has_presence and name not in present):
+            kwargs[name] = getattr(_DEFAULTS, name)
+        else:
+            kwargs[name] = getattr(msg, name)
+    if not msg.HasField("seed"):
+        kwargs["seed"] = random_seed()
+    constraint = None
+    if msg.HasField("constraint"):
+        constraint = constraint_from_pb(msg.constraint)
+    return Sampling(**kwargs, constraint=constraint)
+
+
+def random_seed() -> int:
+    return random.getrandbits(63)

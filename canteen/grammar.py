@@ -1,0 +1,90 @@
+"""Constraints compiled by a maintained grammar engine (llguidance), cached by content.
+
+The gateway compiles a request's constraint with the model's tokenizer before any token is
+made, so a bad schema or grammar is refused with the engine's reason; the worker compiles the
+same constraint again to build a matcher per sequence. Both keep the compiled grammar in an
+LRU keyed by the constraint itself, so a schema seen before costs a dictionary lookup.
+No torch here: the gateway imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+from canteen.plan import Constraint
+
+CACHE_SIZE = 512
+MAX_ERROR_CHARS = 600
+
+
+class ConstraintError(ValueError):
+    """The grammar engine cannot compile a constraint; the message says why."""
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar of ``constraint`` (not yet checked against a tokenizer)."""
+    matcher = llguidance.LLMatcher
+    try:
+        if constraint.kind == "json_object":
+            return matcher.grammar_from_json_schema({"type": "object"})
+        if constraint.kind == "json_schema":
+            return matcher.grammar_from_json_schema(constraint.text)
+        if constraint.kind == "regex":
+            return matcher.grammar_from_regex(constraint.text)
+        if constraint.kind == "choice":
+            return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
+        if constraint.kind == "grammar":
+            return llguidance.grammar_from("grammar", constraint.text)
+    except ValueError as exc:
+        raise ConstraintError(f"{constraint.kind}: {_short(str(exc))}") from None
+    raise ConstraintError(f"constraint kind {constraint.kind!r} is not known")
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe enough for one event loop."""
+
+    def __init__(
+        self, hf_tokenizer: Any, vocab_size: int | None = None, eos_ids: list[int] | None = None
+    ) -> None:
+        self.tokenizer = llguidance.hf.from_tokenizer(
+            hf_tokenizer, n_vocab=vocab_size, eos_token=eos_ids or None
+        )
+        self._cache: OrderedDict[Constraint, str | ConstraintError] = OrderedDict()
+
+    def compile(self, constraint: Constraint) -> str:
+        """The checked grammar of ``constraint``; raises ConstraintError with the reason."""
+        found = self._cache.get(constraint)
+        if found is None:
+            found = self._check(constraint)
+            self._cache[constraint] = found
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(constraint)
+        if isinstance(found, ConstraintError):
+            raise found
+        return found
+
+    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+        """A fresh matcher at the start of ``constraint``'s grammar."""
+        return llguidance.LLMatcher(self.tokenizer, self.compile(constraint), log_level=0)
+
+    def _check(self, constraint: Constraint) -> str | ConstraintError:
+        try:
+            grammar = grammar_text(constraint)
+        except ConstraintError as exc:
+            return exc
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            return ConstraintError(f"{constraint.kind}: {_short(error)}")
+        return grammar
+
+
+def _short(message: str) -> str:
+    text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
