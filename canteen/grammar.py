@@ -20,6 +20,13 @@ from canteen.plan import Constraint
 
 CACHE_SIZE = 512
 MAX_ERROR_CHARS = 600
+# JSON as OpenAI writes it: one space after separators, no free whitespace (which a model
+# could otherwise emit without end). A schema's own "x-guidance" options override these.
+JSON_STYLE: Any = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 
 
 class ConstraintError(ValueError):
@@ -31,9 +38,9 @@ def grammar_text(constraint: Constraint) -> str:
     matcher = llguidance.LLMatcher
     try:
         if constraint.kind == "json_object":
-            return matcher.grammar_from_json_schema({"type": "object"})
+            return matcher.grammar_from_json_schema({"type": "object"}, JSON_STYLE)
         if constraint.kind == "json_schema":
-            return matcher.grammar_from_json_schema(constraint.text)
+            return matcher.grammar_from_json_schema(constraint.text, JSON_STYLE)
         if constraint.kind == "regex":
             return matcher.grammar_from_regex(constraint.text)
         if constraint.kind == "choice":

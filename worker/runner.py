@@ -258,7 +258,8 @@ class ModelRunner:
         rows = logits[: len(sampling_seqs)].float()  # float32 logits: the same tensor
         seq_ids = [s.seq_id for s in sampling_seqs]
         if self.constraints.has_any(seq_ids):
-            self.constraints.mask(rows, seq_ids)
+            with torch.inference_mode():  # the logits are inference tensors
+                self.constraints.mask(rows, seq_ids)
         token_ids, logprobs, tops = sample(
             rows, [s.sampling for s in sampling_seqs], [len(s.tokens) for s in sampling_seqs]
         )
