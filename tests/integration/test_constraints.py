@@ -18,9 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from canteen.v1 import common_pb2, inference_pb2
+from canteen.v1 import common_pb2, inference_pb2, scheduler_pb2
 from tests.integration.conftest import TinySuite
 from tests.support import reference
+from tests.support.streams import Stream, generate
 
 HELLO = [{"role": "user", "content": "Hello there"}]
 PERSON = {
@@ -226,3 +227,24 @@ def test_generated_schemas_validate(
     (choice,) = reply.choices
     assert choice.finish_reason == "stop", choice.message.content  # every value is bounded
     jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_preempted_constrained_streams_finish_exactly(suite: TinySuite) -> None:
+    """More constrained demand than the KV pool holds: preempted streams resume with their
+    grammar state rebuilt from the tokens they had, and end as they would alone."""
+    constraint = common_pb2.Constraint(regex=r"[a-z]{8}( [a-z]{1,8}){30}\.")
+    prompts = [f"Story number {i}:" for i in range(16)]
+    before = suite.scheduler_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    streams = [
+        Stream(suite.gateway.address, p, 300, seed=i, constraint=constraint)
+        for i, p in enumerate(prompts)
+    ]
+    for s in streams:
+        s.start()
+    for s in streams:
+        s.join(120)
+    after = suite.scheduler_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    assert after.workers[0].num_preemptions > before.workers[0].num_preemptions
+    for s, prompt in zip(streams, prompts, strict=True):
+        assert s.error is None, s.error
+        assert s.tokens == generate(suite.gateway.address, prompt, 300, s.seed, constraint)

@@ -4,6 +4,7 @@ UNAVAILABLE when the wait is over."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -13,7 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
+from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from tests.support import reference
 from tests.support.streams import Stream, generate, until
 from tests.support.suite import Service, Suite, wait_serving
 
@@ -86,6 +88,32 @@ def test_sigkill_mid_stream_moves_every_stream_without_losing_a_token(stack: Sta
     assert victim not in stats
     assert stats[survivor].num_free_blocks == stats[survivor].num_total_blocks
     # Restore two workers for the next test.
+    stack.start_worker(victim)
+
+
+def test_sigkill_mid_stream_constrained_streams_continue_exactly(
+    stack: Stack, tiny_model_dir: Path
+) -> None:
+    """The new worker rebuilds each grammar's state from the tokens already generated."""
+    constraint = common_pb2.Constraint(regex=r"[a-z]{8}( [a-z]{1,8}){20}\.")
+    streams = [
+        Stream(stack.gateway.address, p, MAX_TOKENS, seed=3 + i, constraint=constraint)
+        for i, p in enumerate(PROMPTS[:4])
+    ]
+    for s in streams:
+        s.start()
+    until(lambda: all(len(s.tokens) >= 8 for s in streams), 60, "every stream to start")
+    running = {wid: w.num_running for wid, w in stack.stats().items()}
+    victim = max(running, key=lambda wid: running[wid])
+    assert running[victim] > 0, running
+    stack.workers[victim].process.send_signal(signal.SIGKILL)
+    for s in streams:
+        s.join(120)
+    for s, prompt in zip(streams, PROMPTS[:4], strict=True):
+        assert s.error is None, s.error
+        assert s.tokens == generate(stack.gateway.address, prompt, MAX_TOKENS, s.seed, constraint)
+        text = reference.tokenizer(tiny_model_dir).decode(s.tokens)  # type: ignore[attr-defined]
+        assert re.fullmatch(constraint.regex, text), text
     stack.start_worker(victim)
 
 

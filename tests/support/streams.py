@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 
-from canteen.v1 import inference_pb2, inference_pb2_grpc
+from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 
 class Stream(threading.Thread):
@@ -25,6 +25,7 @@ class Stream(threading.Thread):
         max_tokens: int,
         seed: int | None = None,
         timeout: float = 120,
+        constraint: common_pb2.Constraint | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.request = inference_pb2.GenerateRequest(
@@ -32,6 +33,8 @@ class Stream(threading.Thread):
         )
         if seed is not None:
             self.request.temperature, self.request.seed = 1.0, seed
+        if constraint is not None:
+            self.request.constraint.CopyFrom(constraint)
         self.seed, self.address, self.timeout = seed, address, timeout
         self.tokens: list[int] = []
         self.error: grpc.RpcError | None = None
@@ -46,9 +49,15 @@ class Stream(threading.Thread):
                 self.error = exc
 
 
-def generate(address: str, prompt: str, max_tokens: int, seed: int | None = None) -> list[int]:
+def generate(
+    address: str,
+    prompt: str,
+    max_tokens: int,
+    seed: int | None = None,
+    constraint: common_pb2.Constraint | None = None,
+) -> list[int]:
     """The tokens of one fault-free call (it must succeed)."""
-    stream = Stream(address, prompt, max_tokens, seed)
+    stream = Stream(address, prompt, max_tokens, seed, constraint=constraint)
     stream.run()
     assert stream.error is None, stream.error
     return stream.tokens
