@@ -73,3 +73,15 @@ def read_max_model_len(path: Path) -> int:
         if key.endswith(".context_length"):
             return int(field.parts[field.data[0]][0])
     raise ValueError(f"no context_length in the GGUF metadata of {path}")
+
+
+def read_model_type(path: Path) -> str:
+    """The model's family: config.json's ``model_type`` or GGUF's ``general.architecture``
+    ("" when neither says)."""
+    if path.is_dir():
+        config = json.loads((path / "config.json").read_text())
+        return str(config.get("model_type", ""))
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).get_field("general.architecture")
+    return "" if field is None else str(field.contents())

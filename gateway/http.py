@@ -33,7 +33,7 @@ from gateway.openai_api import (
     OpenAIRequest,
     TokenLogprobs,
     check_text,
-    chunk_json,
+    chunks_json,
     logprobs_json,
     parse_messages,
     parse_request,
@@ -248,6 +248,7 @@ class HttpEdge:
             if part is not None:
                 result.logprobs.append(part)
             result.model = delta.model
+            result.tool_calls.extend(delta.tool_calls)
             if delta.finish_reason is not None:
                 result.finish_reason = _public_finish(delta.finish_reason)
                 if delta.usage is not None:
@@ -299,7 +300,8 @@ class HttpEdge:
                         usage[0] = delta.usage.prompt_tokens
                         usage[1] += delta.usage.completion_tokens
                         usage[2] = delta.usage.cached_tokens
-                await _send(response, chunk_json(req, index, delta, lp, first))
+                for chunk in chunks_json(req, index, delta, lp, first):
+                    await _send(response, chunk)
             if req.include_usage:
                 await _send(response, usage_chunk_json(req, model, usage_json(*usage)))
         except UpstreamError as exc:

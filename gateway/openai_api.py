@@ -14,8 +14,16 @@ from typing import Any
 from canteen.codec import random_seed
 from canteen.plan import MAX_TOP_LOGPROBS, Sampling
 from gateway.errors import InvalidInputError
+from gateway.openai_tools import (
+    TOOL_FIELDS,
+    message_tool_fields,
+    parse_tools,
+    tool_call_chunks,
+    tool_calls_json,
+)
 from gateway.service import GenerateInput, TextDelta
 from gateway.structured import CONSTRAINT_FIELDS, constraint_from_body
+from gateway.tools import ChatMessage, ToolCall, with_tool_constraint
 
 MAX_N = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64; sent upstream modulo 2**64
@@ -77,15 +85,16 @@ def _kind_name(kinds: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in ks)
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[ChatMessage]:
     return parse_messages(body.get("messages"))
 
 
-def parse_messages(raw: object) -> list[dict[str, str]]:
-    """Chat messages as {role, content} strings; content parts are joined text parts."""
+def parse_messages(raw: object) -> list[ChatMessage]:
+    """Chat messages as {role, content} strings, with an assistant's tool_calls and a tool
+    message's tool_call_id; content parts are joined text parts."""
     if not isinstance(raw, list):
         raise InvalidInputError("messages: expected a list of {role, content} objects")
-    out = []
+    out: list[ChatMessage] = []
     for i, m in enumerate(raw):
         if not isinstance(m, dict):
             raise InvalidInputError(f"messages[{i}]: expected an object with role and content")
@@ -112,7 +121,12 @@ def parse_messages(raw: object) -> list[dict[str, str]]:
             content = "".join(parts)
         if not isinstance(content, str):
             raise InvalidInputError(f"messages[{i}].content: expected a string or text parts")
-        out.append({"role": role, "content": check_text(content, f"messages[{i}].content")})
+        message: ChatMessage = {
+            "role": role,
+            "content": check_text(content, f"messages[{i}].content"),
+        }
+        message_tool_fields(i, m, message)
+        out.append(message)
     return out
 
 
@@ -142,7 +156,10 @@ _COMMON = {
     "stop", "seed", "logprobs", "user", "ignore_eos", "priority",
 }  # fmt: skip
 _FIELDS = {
-    "chat": _COMMON | CONSTRAINT_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": _COMMON
+    | CONSTRAINT_FIELDS
+    | TOOL_FIELDS
+    | {"messages", "max_completion_tokens", "top_logprobs"},
     "completion": _COMMON | CONSTRAINT_FIELDS | {"prompt", "echo"},
 }
 # Fields that change nothing at these values (clients send them by default).
@@ -153,7 +170,6 @@ _NO_OP = {
     "store": (False, None),
     "metadata": (None,),
     "service_tier": ("auto", "default", None),
-    "parallel_tool_calls": (True, None),
     "suffix": (None, ""),
     "best_of": (1, None),
 }
@@ -205,6 +221,8 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
         top_logprobs=top,
         constraint=constraint_from_body(body),
     )
+    tools = parse_tools(body) if kind == "chat" else None
+    sampling = with_tool_constraint(sampling, tools)
     if (problem := sampling.problem()) is not None:
         raise InvalidInputError(problem)
     common = dict(
@@ -222,6 +240,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
             prompt=prompt,
             messages=messages,
             sampling=replace(sampling, seed=random_seed() if seed is None else (seed + i) % 2**64),
+            tools=tools,
             **common,
         )
         for i in range(n)
@@ -305,6 +324,14 @@ def chunk_json(
     }
 
 
+def chunks_json(
+    req: OpenAIRequest, index: int, delta: TextDelta, lp: TokenLogprobs | None, first: bool
+) -> list[dict[str, Any]]:
+    """The streamed chunks of one delta: one, or more when it ends with tool calls."""
+    chunk = chunk_json(req, index, delta, lp, first)
+    return tool_call_chunks(chunk, delta.tool_calls) if delta.tool_calls else [chunk]
+
+
 def usage_chunk_json(req: OpenAIRequest, model: str, usage: dict[str, Any]) -> dict[str, Any]:
     return {
         "id": req.object_id,
@@ -325,6 +352,7 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 def response_json(req: OpenAIRequest, results: list[ChoiceResult]) -> dict[str, Any]:
@@ -334,6 +362,9 @@ def response_json(req: OpenAIRequest, results: list[ChoiceResult]) -> dict[str, 
         choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": r.text}
+            if r.tool_calls:  # content is null when the answer is only calls, as in OpenAI
+                choice["message"]["content"] = r.text or None
+                choice["message"]["tool_calls"] = tool_calls_json(r.tool_calls)
             choice["logprobs"] = (
                 {"content": [c for part in r.logprobs for c in part["content"]]}
                 if req.logprobs

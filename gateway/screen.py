@@ -224,13 +224,15 @@ def _call_factory(spec: str, factory: Callable[..., Any], config: Mapping[str, A
 
 
 def screen_prompt(
-    screen: Screen, prompt: str | None = None, messages: Sequence[Mapping[str, str]] | None = None
+    screen: Screen,
+    prompt: str | None = None,
+    messages: Sequence[Mapping[str, object]] | None = None,
 ) -> str | None:
     """Screens a prompt, or each chat message's content; the reason names the message."""
     if prompt is not None:
         return screen.screen_input(prompt)
     for i, message in enumerate(messages or ()):
-        reason = screen.screen_input(message.get("content", ""))
+        reason = screen.screen_input(str(message.get("content", "")))
         if reason is not None:
             return f"messages[{i}]: {reason}"
     return None

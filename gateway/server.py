@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import structlog
@@ -10,34 +12,88 @@ import structlog
 from canteen.auth import ApiKeys, AuthenticationError, Principal
 from canteen.codec import sampling_from_request
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from gateway.errors import status_of
+from gateway.errors import InvalidInputError, status_of
 from gateway.limits import RateLimitedError
 from gateway.service import GenerateInput, InferenceService, TextDelta, choose_request_id
+from gateway.tools import (
+    ChatMessage,
+    Function,
+    ToolCall,
+    ToolRequest,
+    check_tools,
+    with_tool_constraint,
+)
 
 _FINISH_TO_PB = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,
     "cancelled": common_pb2.FINISH_REASON_CANCELLED,
     "content_filter": common_pb2.FINISH_REASON_CONTENT_FILTER,
+    "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
 }
+_CHOICES = {
+    inference_pb2.TOOL_CHOICE_NONE: "none",
+    inference_pb2.TOOL_CHOICE_AUTO: "auto",
+    inference_pb2.TOOL_CHOICE_REQUIRED: "required",
+    inference_pb2.TOOL_CHOICE_FUNCTION: "function",
+}
+
+
+def _message_from_pb(m: inference_pb2.ChatMessage) -> ChatMessage:
+    out: ChatMessage = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = [ToolCall(c.name, c.arguments_json, id=c.id) for c in m.tool_calls]
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _json_object(text: str, name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text) if text else {"type": "object", "properties": {}}
+    except ValueError as exc:
+        raise InvalidInputError(f"{name}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"{name}: expected a JSON object")
+    return value
+
+
+def tools_from_pb(msg: inference_pb2.GenerateRequest) -> ToolRequest | None:
+    """The request's tools; None when it has none and forces nothing."""
+    if not msg.tools and msg.tool_choice == inference_pb2.TOOL_CHOICE_UNSPECIFIED:
+        return None
+    functions = tuple(
+        Function(t.name, t.description, _json_object(t.parameters_json, f"tools[{i}].parameters"))
+        for i, t in enumerate(msg.tools)
+    )
+    choice = _CHOICES.get(msg.tool_choice, "auto" if functions else "none")
+    parallel = msg.parallel_tool_calls if msg.HasField("parallel_tool_calls") else True
+    return check_tools(ToolRequest(functions, choice, msg.tool_function, parallel))
+
+
+def _calls_to_pb(calls: list[ToolCall]) -> list[inference_pb2.ToolCall]:
+    return [inference_pb2.ToolCall(id=c.id, name=c.name, arguments_json=c.arguments) for c in calls]
 
 
 def input_from_pb(
     msg: inference_pb2.GenerateRequest, request_id: str, traceparent: str = ""
 ) -> GenerateInput:
     which = msg.WhichOneof("input")
+    tools = tools_from_pb(msg)
+    for i, m in enumerate(msg.messages.messages):
+        for j, call in enumerate(m.tool_calls):
+            _json_object(call.arguments_json, f"messages[{i}].tool_calls[{j}].arguments_json")
     return GenerateInput(
         request_id=request_id,
         traceparent=traceparent,
         model=msg.model,
         prompt=msg.prompt if which == "prompt" else None,
         messages=(
-            [{"role": m.role, "content": m.content} for m in msg.messages.messages]
-            if which == "messages"
-            else None
+            [_message_from_pb(m) for m in msg.messages.messages] if which == "messages" else None
         ),
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
-        sampling=sampling_from_request(msg),
+        sampling=with_tool_constraint(sampling_from_request(msg), tools),
+        tools=tools,
         stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
@@ -87,8 +143,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         principal = await self._begin(context)
         request_id = str(structlog.contextvars.get_contextvars()["request_id"])
         metadata = dict(context.invocation_metadata() or ())
-        inp = input_from_pb(request, request_id, str(metadata.get("traceparent", "")))
         try:
+            inp = input_from_pb(request, request_id, str(metadata.get("traceparent", "")))
             async for delta in self._service.generate(inp, context.time_remaining(), principal):
                 yield delta
         except RateLimitedError as exc:
@@ -119,6 +175,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     )
                     for top in delta.top_logprobs
                 ],
+                tool_calls=_calls_to_pb(delta.tool_calls),
             )
 
     async def Complete(
@@ -130,6 +187,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             texts.append(delta.text)
             response.token_ids.extend(delta.token_ids)
             response.model = delta.model
+            response.tool_calls.extend(_calls_to_pb(delta.tool_calls))
             if delta.finish_reason is not None:
                 response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
                 usage = _usage_to_pb(delta)

@@ -11,7 +11,7 @@ import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +32,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.screen import Screen, StreamScreen, screen_prompt
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from gateway.tokenizers import TemplateError, Tokenizer, TokenizerCache
+from gateway.tool_parsers import ToolStream
+from gateway.tools import ChatMessage, ToolCall, ToolRequest, parameters_constraint
 
 log = get_logger(__name__)
 tracer = get_tracer("canteen.gateway")
@@ -53,7 +55,7 @@ class GenerateInput:
     request_id: str
     model: str = ""
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[ChatMessage] | None = None
     max_tokens: int | None = None
     sampling: Sampling = field(default_factory=Sampling)  # seeded: the edge draws a seed
     stop: list[str] = field(default_factory=list)
@@ -62,6 +64,8 @@ class GenerateInput:
     priority: int = 0
     traceparent: str = ""  # the caller's W3C trace context, if it sent one
     arrival: float = field(default_factory=time.monotonic)
+    # Functions the model may call (chat only); a forced choice's grammar is in sampling.
+    tools: ToolRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class TextDelta:
     usage: Usage | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # on the last delta only
 
 
 _FINISH = {
@@ -142,6 +147,8 @@ class InferenceService:
                 )
         if inp.messages is not None:
             _check_messages(inp.messages, c.max_messages, c.max_prompt_chars)
+        if inp.tools is not None and inp.tools.functions and inp.messages is None:
+            raise InvalidInputError("tools: need chat messages, not a prompt")
         if inp.max_tokens is not None and inp.max_tokens < 1:
             raise InvalidInputError(f"max_tokens={inp.max_tokens}: must be >= 1")
         if (
@@ -173,12 +180,17 @@ class InferenceService:
             ids = (
                 tokenizer.encode(inp.prompt)
                 if inp.prompt is not None
-                else tokenizer.render_chat(inp.messages or [])
+                else tokenizer.render_chat(inp.messages or [], inp.tools)
             )
         except TemplateError as exc:
             raise InvalidInputError(str(exc)) from exc
         if not ids:
             raise InvalidInputError("the prompt is empty after tokenization")
+        for i, function in enumerate(inp.tools.functions if inp.tools is not None else ()):
+            try:
+                tokenizer.check_constraint(parameters_constraint(function))
+            except ConstraintError as exc:
+                raise InvalidInputError(f"tools[{i}].function.parameters: {exc}") from None
         if (constraint := inp.sampling.constraint) is not None:
             try:
                 tokenizer.check_constraint(constraint)
@@ -299,8 +311,12 @@ class InferenceService:
         )
         self.metrics.in_flight.inc()
         status, cached = "CANCELLED", 0
+        deltas = self._run(admitted, timeout, span)
+        if inp.tools is not None and inp.tools.is_offered:
+            split = ToolStream(admitted.tokenizer.tool_format(inp.tools), inp.tools.names)
+            deltas = _with_tool_calls(deltas, split)
         try:
-            async for delta in self._run(admitted, timeout, span):
+            async for delta in deltas:
                 timer.tokens(len(delta.token_ids))
                 if delta.finish_reason is not None:
                     status = "OK"
@@ -409,6 +425,21 @@ class InferenceService:
             delay = min(delay * 2, 1.0)
 
 
+async def _with_tool_calls(
+    deltas: AsyncIterator[TextDelta], split: ToolStream
+) -> AsyncIterator[TextDelta]:
+    """The deltas with call text held back: the last one carries the parsed calls, and
+    finish_reason "tool_calls" when the model ended its answer with them."""
+    async for delta in deltas:
+        delta.text = split.push(delta.text)
+        if delta.finish_reason is not None:
+            rest, delta.tool_calls = split.finish()
+            delta.text += rest
+            if delta.tool_calls and delta.finish_reason == "stop":
+                delta.finish_reason = "tool_calls"
+        yield delta
+
+
 def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
     """UNAVAILABLE from the transport or a draining server, or CANCELLED by a server that
     was stopping as the call arrived; not the scheduler's own verdict (those carry
@@ -436,7 +467,9 @@ def _clip(value: object, limit: int = 64) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_messages(messages: list[dict[str, str]], max_messages: int, max_chars: int) -> None:
+def _check_messages(
+    messages: Sequence[Mapping[str, object]], max_messages: int, max_chars: int
+) -> None:
     if not messages:
         raise InvalidInputError("messages must not be empty")
     if len(messages) > max_messages:
@@ -450,6 +483,6 @@ def _check_messages(messages: list[dict[str, str]], max_messages: int, max_chars
                 f"messages[{i}].role={_clip(message.get('role'))}: must be one of "
                 f"{', '.join(ROLES)}"
             )
-        total += len(message.get("content", ""))
+        total += len(str(message.get("content", "")))
     if total > max_chars:
         raise InvalidInputError(f"messages have {total} characters; the limit is {max_chars}")

@@ -9,8 +9,12 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from canteen.grammar import GrammarCompiler
+from canteen.models import read_model_type
 from canteen.plan import Constraint
 from gateway.catalog import ModelVersion
+from gateway.tool_parsers import HERMES, CallFormat, native_format
+from gateway.tool_render import template_inputs
+from gateway.tools import ChatMessage, ToolRequest
 
 
 class TemplateError(ValueError):
@@ -28,10 +32,20 @@ def _check_unicode(text: str, name: str) -> None:
 
 
 class Tokenizer:
-    def __init__(self, hf: Any) -> None:
+    def __init__(self, hf: Any, model_type: str = "") -> None:
         self.hf = hf
         self.vocab_size = len(hf)
+        self.model_type = model_type
         self._grammar: GrammarCompiler | None = None
+        # The call format the model's own template teaches; None: the fallback template.
+        self.native_tool_format = native_format(model_type, str(hf.chat_template or ""))
+
+    def tool_format(self, tools: ToolRequest) -> CallFormat:
+        """How calls in the answer are written: the grammar's (and the fallback template's)
+        hermes blocks, or the family's own format when its template rendered the tools."""
+        if tools.is_forced or self.native_tool_format is None:
+            return HERMES
+        return self.native_tool_format
 
     def check_constraint(self, constraint: Constraint) -> None:
         """Compiles ``constraint`` for this tokenizer (cached by content); raises
@@ -45,14 +59,23 @@ class Tokenizer:
         ids: list[int] = self.hf(text, add_special_tokens=False)["input_ids"]
         return ids
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def render_chat(
+        self, messages: list[ChatMessage], tools: ToolRequest | None = None
+    ) -> list[int]:
+        """The prompt of ``messages`` (and the offered ``tools``) with a generation prompt;
+        gateway/tool_render.py says how tools reach a template that does not know them."""
         if not getattr(self.hf, "chat_template", None):
             raise TemplateError("this model has no chat template; send a prompt instead")
         for i, message in enumerate(messages):
             for key in ("role", "content"):
                 _check_unicode(str(message.get(key, "")), f"messages[{i}].{key}")
+        conversation, extra = template_inputs(
+            messages, tools, is_native=self.native_tool_format is not None
+        )
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.hf.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, **extra
+            )
         except Exception as exc:  # jinja raises its own exceptions for bad conversations
             raise TemplateError(f"messages: the chat template rejected them: {exc}") from exc
         return self.encode(str(text))
@@ -68,7 +91,7 @@ def _load(model: ModelVersion) -> Tokenizer:
         hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
         hf = AutoTokenizer.from_pretrained(str(path))
-    return Tokenizer(hf)
+    return Tokenizer(hf, read_model_type(path))
 
 
 class TokenizerCache:

@@ -35,6 +35,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The client or the service cancelled it."""
     FINISH_REASON_CONTENT_FILTER: _FinishReason.ValueType  # 4
     """A content screen cut the answer."""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 5
+    """The model ended its answer with tool calls (the gateway's Inference API only)."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a sequence stopped producing tokens."""
@@ -49,6 +51,8 @@ FINISH_REASON_CANCELLED: FinishReason.ValueType  # 3
 """The client or the service cancelled it."""
 FINISH_REASON_CONTENT_FILTER: FinishReason.ValueType  # 4
 """A content screen cut the answer."""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 5
+"""The model ended its answer with tool calls (the gateway's Inference API only)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final

@@ -8,6 +8,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -19,6 +20,38 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ToolChoice:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoice.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_UNSPECIFIED: _ToolChoice.ValueType  # 0
+    """AUTO when tools are given, else NONE."""
+    TOOL_CHOICE_NONE: _ToolChoice.ValueType  # 1
+    """No tools are offered to the model; the answer is text."""
+    TOOL_CHOICE_AUTO: _ToolChoice.ValueType  # 2
+    """The model decides; calls in its own format are parsed (see the README for the families)."""
+    TOOL_CHOICE_REQUIRED: _ToolChoice.ValueType  # 3
+    """At least one call, enforced by a grammar built from the tools' schemas."""
+    TOOL_CHOICE_FUNCTION: _ToolChoice.ValueType  # 4
+    """A call of tool_function, enforced by a grammar built from its schema."""
+
+class ToolChoice(_ToolChoice, metaclass=_ToolChoiceEnumTypeWrapper):
+    """How the model may use the tools of a request."""
+
+TOOL_CHOICE_UNSPECIFIED: ToolChoice.ValueType  # 0
+"""AUTO when tools are given, else NONE."""
+TOOL_CHOICE_NONE: ToolChoice.ValueType  # 1
+"""No tools are offered to the model; the answer is text."""
+TOOL_CHOICE_AUTO: ToolChoice.ValueType  # 2
+"""The model decides; calls in its own format are parsed (see the README for the families)."""
+TOOL_CHOICE_REQUIRED: ToolChoice.ValueType  # 3
+"""At least one call, enforced by a grammar built from the tools' schemas."""
+TOOL_CHOICE_FUNCTION: ToolChoice.ValueType  # 4
+"""A call of tool_function, enforced by a grammar built from its schema."""
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
 @_typing.final
 class ChatMessage(_message.Message):
     """One chat message."""
@@ -27,23 +60,93 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """Who wrote it: "system", "user" or "assistant"."""
+    """Who wrote it: "system", "user", "assistant" or "tool"."""
     content: _builtins.str
-    """What it says."""
+    """What it says; for a "tool" message, the call's result."""
+    tool_call_id: _builtins.str
+    """For a "tool" message: the id of the call it answers."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls an assistant message made (in the history of a conversation)."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The function's name: 1..64 letters, digits, underscores or dashes."""
+    description: _builtins.str
+    """What it does, shown to the model."""
+    parameters_json: _builtins.str
+    """JSON schema (as JSON text) of its arguments, an object; empty means no arguments."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json", b"parameters_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """One call of a function."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id ("call_..."), which a later "tool" message names in tool_call_id."""
+    name: _builtins.str
+    """The function called."""
+    arguments_json: _builtins.str
+    """Its arguments, a JSON object as text."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class ChatMessages(_message.Message):
@@ -89,6 +192,10 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     CONSTRAINT_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    TOOL_FUNCTION_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name or alias; empty means the default model."""
     prompt: _builtins.str
@@ -109,6 +216,12 @@ class GenerateRequest(_message.Message):
     """Higher runs first when the service is busy; default 0."""
     top_logprobs: _builtins.int
     """Most likely alternatives to report with each token, 0..20."""
+    tool_choice: Global___ToolChoice.ValueType
+    """How the model may use the tools."""
+    tool_function: _builtins.str
+    """With TOOL_CHOICE_FUNCTION: the name of the function that must be called."""
+    parallel_tool_calls: _builtins.bool
+    """Whether an answer may hold more than one call; unset means true."""
     @_builtins.property
     def messages(self) -> Global___ChatMessages:
         """Chat messages, rendered with the model's chat template and a generation prompt."""
@@ -128,6 +241,10 @@ class GenerateRequest(_message.Message):
         max_tokens cuts it first (then it may not parse).
         """
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Functions the model may call (with messages only)."""
+
     def __init__(
         self,
         *,
@@ -145,13 +262,19 @@ class GenerateRequest(_message.Message):
         priority: _builtins.int = ...,
         top_logprobs: _builtins.int = ...,
         constraint: _common_pb2.Constraint | None = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice.ValueType = ...,
+        tool_function: _builtins.str = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
@@ -162,6 +285,8 @@ class GenerateRequest(_message.Message):
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
     @_typing.overload
@@ -187,6 +312,7 @@ class GenerateResponse(_message.Message):
     MODEL_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The request id, the same on every message of the stream and in the service's logs."""
     text: _builtins.str
@@ -211,6 +337,12 @@ class GenerateResponse(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]:
         """The most likely alternatives at each token (when top_logprobs > 0 was asked)."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls the answer made, parsed, on the last message only (finish_reason TOOL_CALLS);
+        the text of the calls is not in text.
+        """
+
     def __init__(
         self,
         *,
@@ -222,10 +354,11 @@ class GenerateResponse(_message.Message):
         model: _builtins.str = ...,
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "model", b"model", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "id", b"id", "logprobs", b"logprobs", "model", b"model", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -243,6 +376,7 @@ class CompleteResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The request id."""
     text: _builtins.str
@@ -259,6 +393,10 @@ class CompleteResponse(_message.Message):
     def usage(self) -> _common_pb2.Usage:
         """Token accounting."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls the answer made, parsed (finish_reason TOOL_CALLS); their text is not in text."""
+
     def __init__(
         self,
         *,
@@ -268,10 +406,11 @@ class CompleteResponse(_message.Message):
         finish_reason: _common_pb2.FinishReason.ValueType = ...,
         usage: _common_pb2.Usage | None = ...,
         model: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "id", b"id", "model", b"model", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "id", b"id", "model", b"model", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
