@@ -69,12 +69,15 @@ class Constraints:
     def mask(self, logits: torch.Tensor, seq_ids: Sequence[str]) -> None:
         """Sets to -inf, in place, every logit a row's grammar does not allow next."""
         vocab = logits.shape[-1]
+        rows, allowed = [], []
         for row, seq_id in enumerate(seq_ids):
             matcher = self._matchers.get(seq_id)
-            if matcher is None:
-                continue
-            allowed = self._allowed(matcher, vocab)
-            logits[row].masked_fill_(~torch.from_numpy(allowed), float("-inf"))
+            if matcher is not None:
+                rows.append(row)
+                allowed.append(self._allowed(matcher, vocab))
+        index = torch.tensor(rows, device=logits.device)
+        blocked = torch.from_numpy(~np.stack(allowed)).to(logits.device)
+        logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
 
     def advance(self, seq_id: str, token: int) -> None:
         matcher = self._matchers.get(seq_id)
