@@ -6,7 +6,8 @@ messages with ``tool_calls`` (arguments as objects, as Hugging Face templates ex
 ``role: "tool"`` messages. Any other template gets the fallback, in plain text it can render:
 
     system     (the caller's system text, then) "You can call these functions ..." with each
-               tool's JSON on its own line and how to answer: one block per call,
+               function's {name, description, parameters} as compact JSON on its own line,
+               and how to answer: one block per call,
                <tool_call>
                {"name": <function name>, "arguments": <object>}
                </tool_call>
@@ -83,7 +84,7 @@ def _fallback(messages: list[ChatMessage]) -> Conversation:
 
 def tool_prompt(tools: ToolRequest) -> str:
     """The fallback's instructions: the tools as JSON, how to call, and what is required."""
-    listed = "\n".join(json.dumps(f.openai_json(), ensure_ascii=False) for f in tools.functions)
+    listed = "\n".join(_compact(f.openai_json()["function"]) for f in tools.functions)
     rule = {
         "auto": "Call a function when it helps; otherwise answer in plain text.",
         "required": "You must call at least one function.",
@@ -96,6 +97,10 @@ def tool_prompt(tools: ToolRequest) -> str:
         f'{CALL_OPEN}\n{{"name": <function name>, "arguments": <arguments object>}}\n'
         f"{CALL_CLOSE}\n{rule}"
     )
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 def _with_tool_prompt(conversation: Conversation, tools: ToolRequest) -> Conversation:

@@ -37,9 +37,10 @@ class Function:
 
     def openai_json(self) -> dict[str, Any]:
         """OpenAI's tool object, the shape chat templates that know tools expect."""
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        function: dict[str, Any] = {"name": self.name}
         if self.description:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 
