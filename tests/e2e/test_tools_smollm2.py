@@ -49,7 +49,8 @@ def test_a_required_call_on_smollm2_parses_and_its_result_is_answered(smol: Smol
     )
     (choice,) = reply.choices
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls or []
+    calls: list[Any] = list(choice.message.tool_calls or [])
+    (call,) = calls
     assert call.function.name == "get_weather" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER)
     history: list[Any] = [
