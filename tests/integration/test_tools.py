@@ -119,9 +119,9 @@ def test_a_tool_result_fed_back_renders_and_gets_an_answer(
     first = _create(client, tool_choice="required", parallel_tool_calls=False, seed=1)
     message = first.choices[0].message
     (call,) = message.tool_calls
-    history = [
+    history: list[Any] = [
         *ASK,
-        message.model_dump(exclude_none=True),
+        message,  # the client's own message object, as its docs append it
         {"role": "tool", "tool_call_id": call.id, "content": '{"forecast": "sunny, 21C"}'},
     ]
     reply = _create(client, messages=history, max_tokens=8, seed=1)
@@ -130,7 +130,8 @@ def test_a_tool_result_fed_back_renders_and_gets_an_answer(
     assert reply.usage.prompt_tokens > first.usage.prompt_tokens
     # the prompt the model saw holds the call and its result (the fallback template)
     ids = httpx.post(
-        f"{suite.gateway.http_url}/tokenize", json={"model": "tiny", "messages": history}
+        f"{suite.gateway.http_url}/tokenize",
+        json={"model": "tiny", "messages": [*ASK, message.model_dump(), history[-1]]},
     ).json()["tokens"]
     text = httpx.post(
         f"{suite.gateway.http_url}/detokenize", json={"model": "tiny", "tokens": ids}
