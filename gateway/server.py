@@ -39,18 +39,31 @@ _CHOICES = {
 }
 
 
-def _message_from_pb(m: inference_pb2.ChatMessage) -> ChatMessage:
-    out: ChatMessage = {"role": m.role, "content": m.content}
-    if m.tool_calls:
-        out["tool_calls"] = [ToolCall(c.name, c.arguments_json, id=c.id) for c in m.tool_calls]
-    if m.tool_call_id:
-        out["tool_call_id"] = m.tool_call_id
+def _call_from_pb(call: inference_pb2.ToolCall, where: str) -> ToolCall:
+    arguments = _json_object(call.arguments_json, f"{where}.arguments_json", {})
+    return ToolCall(call.name, json.dumps(arguments, ensure_ascii=False), id=call.id)
+
+
+def messages_from_pb(messages: inference_pb2.ChatMessages) -> list[ChatMessage]:
+    """Chat messages with their calls (arguments checked to be JSON objects)."""
+    out: list[ChatMessage] = []
+    for i, m in enumerate(messages.messages):
+        message: ChatMessage = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                _call_from_pb(c, f"messages[{i}].tool_calls[{j}]")
+                for j, c in enumerate(m.tool_calls)
+            ]
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
 
 
-def _json_object(text: str, name: str) -> dict[str, Any]:
+def _json_object(text: str, name: str, empty: dict[str, Any]) -> dict[str, Any]:
+    """``text`` as a JSON object (``empty`` when it is empty); else InvalidInputError."""
     try:
-        value = json.loads(text) if text else {"type": "object", "properties": {}}
+        value = json.loads(text) if text else empty
     except ValueError as exc:
         raise InvalidInputError(f"{name}: not valid JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -63,7 +76,13 @@ def tools_from_pb(msg: inference_pb2.GenerateRequest) -> ToolRequest | None:
     if not msg.tools and msg.tool_choice == inference_pb2.TOOL_CHOICE_UNSPECIFIED:
         return None
     functions = tuple(
-        Function(t.name, t.description, _json_object(t.parameters_json, f"tools[{i}].parameters"))
+        Function(
+            t.name,
+            t.description,
+            _json_object(
+                t.parameters_json, f"tools[{i}].parameters", {"type": "object", "properties": {}}
+            ),
+        )
         for i, t in enumerate(msg.tools)
     )
     choice = _CHOICES.get(msg.tool_choice, "auto" if functions else "none")
@@ -80,17 +99,12 @@ def input_from_pb(
 ) -> GenerateInput:
     which = msg.WhichOneof("input")
     tools = tools_from_pb(msg)
-    for i, m in enumerate(msg.messages.messages):
-        for j, call in enumerate(m.tool_calls):
-            _json_object(call.arguments_json, f"messages[{i}].tool_calls[{j}].arguments_json")
     return GenerateInput(
         request_id=request_id,
         traceparent=traceparent,
         model=msg.model,
         prompt=msg.prompt if which == "prompt" else None,
-        messages=(
-            [_message_from_pb(m) for m in msg.messages.messages] if which == "messages" else None
-        ),
+        messages=messages_from_pb(msg.messages) if which == "messages" else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         sampling=with_tool_constraint(sampling_from_request(msg), tools),
         tools=tools,
@@ -98,6 +112,7 @@ def input_from_pb(
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
+        disable_speculation=msg.disable_speculation,
     )
 
 
@@ -202,12 +217,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.TokenizeResponse:
         await self._begin(context)
         which = request.WhichOneof("input")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
         try:
             model, ids = await self._service.tokenize(
                 request.model,
                 request.prompt if which == "prompt" else None,
-                messages if which == "messages" else None,
+                messages_from_pb(request.messages) if which == "messages" else None,
             )
         except Exception as exc:
             await _abort_known(context, exc)

@@ -244,6 +244,19 @@ def test_grpc_bad_tools_are_invalid_argument(suite: TinySuite) -> None:
             ),
             "tools[0].parameters: not valid JSON",
         ),
+        (
+            _grpc_request(
+                messages=inference_pb2.ChatMessages(
+                    messages=[
+                        inference_pb2.ChatMessage(
+                            role="assistant",
+                            tool_calls=[inference_pb2.ToolCall(name="f", arguments_json="[1]")],
+                        )
+                    ]
+                )
+            ),
+            "messages[0].tool_calls[0].arguments_json: expected a JSON object",
+        ),
     ]
     for request, message in cases:
         with pytest.raises(grpc.RpcError) as info:
