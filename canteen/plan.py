@@ -115,6 +115,7 @@ class ScheduledSequence:
     seq_id: str
     num_tokens: int
     new_block_ids: tuple[int, ...] = ()
+    num_draft_tokens: int = 0  # most draft tokens to propose and verify (speculation)
 
 
 @dataclass(frozen=True)
@@ -160,3 +161,5 @@ class StepResult:
     sample_ns: int = 0
     total_ns: int = 0
     failed: tuple[FailedSequence, ...] = ()
+    num_draft_tokens: int = 0  # proposed and verified this step
+    num_accepted_tokens: int = 0

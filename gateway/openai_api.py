@@ -153,7 +153,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
 # Fields each endpoint honours; anything else is refused by name, never silently dropped.
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
-    "stop", "seed", "logprobs", "user", "ignore_eos", "priority",
+    "stop", "seed", "logprobs", "user", "ignore_eos", "priority", "disable_speculation",
 }  # fmt: skip
 _FIELDS = {
     "chat": _COMMON
@@ -231,6 +231,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
         stop=_stop(body),
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),  # an extension, as in vLLM
         priority=_get(body, "priority", int, 0),  # an extension, as in vLLM; keys cap it
+        disable_speculation=bool(_get(body, "disable_speculation", bool, False)),
     )
     prompt = _prompt(body) if kind == "completion" else None
     messages = _messages(body) if kind == "chat" else None

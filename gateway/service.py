@@ -62,6 +62,7 @@ class GenerateInput:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     priority: int = 0
+    disable_speculation: bool = False
     traceparent: str = ""  # the caller's W3C trace context, if it sent one
     arrival: float = field(default_factory=time.monotonic)
     # Functions the model may call (chat only); a forced choice's grammar is in sampling.
@@ -347,6 +348,7 @@ class InferenceService:
             ignore_eos=inp.ignore_eos,
             priority=inp.priority,
             cache_salt=admitted.cache_salt,
+            disable_speculation=inp.disable_speculation,
         )
         log.info(
             "request accepted",

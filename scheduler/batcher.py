@@ -28,7 +28,7 @@ Results of a plan apply only to sequences still in the incarnation it was sent t
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from canteen.batching import BatchConfig
@@ -36,6 +36,7 @@ from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan,
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.speculation import SpeculationPolicy
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class _Entry:
     incarnation: int
     num_tokens: int
     samples: bool
+    drafts: int = 0  # draft tokens granted: its result may carry up to drafts + 1 tokens
 
     @property
     def is_current(self) -> bool:
@@ -53,8 +55,9 @@ class _Entry:
 
 
 class BatchScheduler:
-    def __init__(self, pool: BlockPool, limits: BatchConfig) -> None:
+    def __init__(self, pool: BlockPool, limits: BatchConfig, num_draft_tokens: int = 0) -> None:
         self.pool = pool
+        self.speculation = SpeculationPolicy(num_draft_tokens)
         self.limits = limits
         self.depth = limits.pipeline_depth  # plans in flight at once
         self.waiting: list[Sequence] = []
@@ -137,14 +140,16 @@ class BatchScheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to send (or ``depth`` plans
         are in flight already)."""
-        if len(self._in_flight) >= self.depth:
+        if len(self._in_flight) >= self.depth or self._is_speculating:
             return None
         budget = self.limits.max_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         in_plan: set[int] = set()
         by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
         decoding = [s for s in by_importance if s.is_decoding_ahead]
-        budget = self._run(decoding, budget, chosen, in_plan)
+        grants: dict[str, int] = {}
+        drafts = self.speculation.drafts_for(len(decoding))
+        budget = self._run(decoding, budget, chosen, in_plan, grants, drafts)
         if chosen and self.cost is not None:
             budget = min(budget, self.cost.prefill_budget(len(chosen)))
         prefilling = [s for s in by_importance if not s.is_decoding_ahead]
@@ -154,27 +159,40 @@ class BatchScheduler:
         if not chosen and not drops:
             return None
         self.num_steps += 1
-        return self._to_plan(self.num_steps, chosen, drops)
+        return self._to_plan(self.num_steps, chosen, drops, grants)
+
+    @property
+    def _is_speculating(self) -> bool:
+        """The newest plan in flight verifies drafts: how many tokens it makes is unknown
+        until it returns, so no plan is built on top of it."""
+        return bool(self._in_flight) and any(
+            s.num_draft_tokens for s in self._in_flight[-1][0].scheduled
+        )
 
     def update(self, result: StepResult) -> list[SeqEvent]:
         """Applies the oldest plan's result; returns what happened to each sequence."""
         if not self._in_flight or self._in_flight[0][0].step_id != result.step_id:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
         plan, entries = self._in_flight.popleft()
-        if self.cost is not None and result.total_ns > 0 and plan.scheduled:
-            self.cost.observe(plan.num_tokens, result.total_ns / 1e9)
+        self._observe(plan, result)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f.error for f in result.failed}
+        made = Counter(t.seq_id for t in result.tokens)
         for seq_id, seq in current.items():
             entry = entries[seq_id]
             seq.num_in_flight -= entry.num_tokens
             seq.num_pending_samples -= entry.samples
             if seq_id not in refused:
-                seq.num_computed += entry.num_tokens
-                self._commit_full_blocks(seq)
+                known = seq.num_computed + entry.num_tokens
+                # accepted drafts were computed too; their tokens arrive with this result
+                seq.num_computed = known + (max(made[seq_id] - 1, 0) if entry.drafts else 0)
+                self._commit_full_blocks(seq, known)
         events = [
             self._on_token(current[t.seq_id], t) for t in result.tokens if t.seq_id in current
         ]
+        for seq in current.values():
+            if seq.status is Status.RUNNING:
+                self._commit_full_blocks(seq)
         events += [self._refuse(current[i], error) for i, error in refused.items() if i in current]
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
@@ -183,14 +201,27 @@ class BatchScheduler:
 
     # -- helpers -------------------------------------------------------------------------
 
+    def _observe(self, plan: StepPlan, result: StepResult) -> None:
+        if result.total_ns <= 0 or not plan.scheduled:
+            return
+        seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
+        if self.cost is not None:
+            self.cost.observe(computed, seconds)
+        self.speculation.observe(
+            computed, seconds, result.num_draft_tokens, result.num_accepted_tokens
+        )
+
     def _run(
         self,
         seqs: list[Sequence],
         budget: int,
         chosen: list[tuple[Sequence, int]],
         in_plan: set[int],
+        grants: dict[str, int] | None = None,
+        drafts: int = 0,
     ) -> int:
-        """Schedules running sequences' next tokens within ``budget``; returns what is left."""
+        """Schedules running sequences' next tokens within ``budget`` (with up to ``drafts``
+        draft tokens each, recorded in ``grants``); returns what is left."""
         for seq in seqs:
             if budget == 0:
                 break
@@ -202,7 +233,35 @@ class BatchScheduler:
             chosen.append((seq, n))
             in_plan.add(id(seq))
             budget -= n
+            if grants is not None and drafts > 0:
+                k = self._reserve_drafts(seq, min(self._draft_room(seq), drafts, budget))
+                if k > 0:
+                    grants[seq.seq_id] = k
+                    budget -= k
         return budget
+
+    def _reserve_drafts(self, seq: Sequence, k: int) -> int:
+        """Blocks for up to ``k`` draft tokens after ``seq``'s scheduled ones, from free
+        blocks only (drafts never preempt anyone); returns the drafts that fit."""
+        end = seq.num_scheduled + 1  # this step's token
+        need = self.pool.blocks_for(end + k) - len(seq.block_ids)
+        if k > 0 and need > 0:
+            spare = self.pool.num_free - self.limits.watermark_blocks
+            blocks = self.pool.allocate(need) if spare >= need else None
+            if blocks is None:
+                return min(k, len(seq.block_ids) * self.pool.block_size - end)
+            seq.block_ids.extend(blocks)
+        return max(k, 0)
+
+    @staticmethod
+    def _draft_room(seq: Sequence) -> int:
+        """Draft tokens ``seq`` may verify: the step then makes up to that many plus one,
+        which must stay within max_tokens and the context."""
+        if not seq.allow_speculation or seq.sampling.constraint is not None:
+            return 0
+        made = len(seq.output_ids) + seq.num_pending_samples
+        total = seq.num_tokens + seq.num_pending_samples
+        return min(seq.max_tokens - made - 1, seq.max_model_len - total - 1)
 
     def _on_token(self, seq: Sequence, token: SampledToken) -> SeqEvent:
         if seq.is_cancel_requested or seq.is_finished:
@@ -335,7 +394,11 @@ class BatchScheduler:
         seq.status, seq.finish = Status.FINISHED, finish
 
     def _to_plan(
-        self, step_id: int, chosen: list[tuple[Sequence, int]], drops: tuple[str, ...]
+        self,
+        step_id: int,
+        chosen: list[tuple[Sequence, int]],
+        drops: tuple[str, ...],
+        grants: dict[str, int],
     ) -> StepPlan:
         new: list[NewSequence] = []
         scheduled: list[ScheduledSequence] = []
@@ -362,8 +425,9 @@ class BatchScheduler:
             samples = seq.num_unscheduled == n  # computes its last known token: samples one
             seq.num_in_flight += n
             seq.num_pending_samples += samples
-            entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples)
-            scheduled.append(ScheduledSequence(seq.seq_id, n, fresh))
+            k = grants.get(seq.seq_id, 0)
+            entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples, k)
+            scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
             if self.depth > 1 and seq.is_done_ahead:
                 self._release_early(seq)
         plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)

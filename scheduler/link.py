@@ -54,6 +54,7 @@ class WorkerDescription:
     eos_token_ids: frozenset[int]
     max_batched_tokens: int
     vocab_size: int
+    num_speculative_tokens: int = 0  # most draft tokens it verifies per sequence; 0: none
 
 
 def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
@@ -68,6 +69,7 @@ def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
         eos_token_ids=frozenset(info.eos_token_ids),
         max_batched_tokens=info.max_batched_tokens,
         vocab_size=info.vocab_size,
+        num_speculative_tokens=info.num_speculative_tokens,
     )
 
 
@@ -94,7 +96,7 @@ class WorkerLink:
             settings.enable_prefix_cache,
             cache_salt=f"{desc.model}:{desc.version}",
         )
-        self.core = BatchScheduler(pool, limits)
+        self.core = BatchScheduler(pool, limits, desc.num_speculative_tokens)
         self._queues: dict[str, asyncio.Queue[SeqEvent]] = {}
         self._wake = asyncio.Event()
         self.is_up = True

@@ -66,6 +66,16 @@ class PoolCollector(Collector):
         preemptions = CounterMetricFamily(
             "canteen_preemptions", "Sequences preempted by recompute", labels=_WORKER_LABELS
         )
+        drafts = CounterMetricFamily(
+            "canteen_speculative_draft_tokens",
+            "Draft tokens proposed and verified (speculative decoding)",
+            labels=_WORKER_LABELS,
+        )
+        accepted = CounterMetricFamily(
+            "canteen_speculative_accepted_tokens",
+            "Draft tokens accepted: tokens made without a step of their own",
+            labels=_WORKER_LABELS,
+        )
         for link in list(self._links.values()):
             core, d = link.core, link.desc
             labels = [d.model, d.version, d.worker_id]
@@ -80,8 +90,11 @@ class PoolCollector(Collector):
             g["hit_rate"].add_metric(labels, core.prefix_cache_hit_rate)
             g["ready"].add_metric(labels, 1.0 if link.is_ready else 0.0)
             preemptions.add_metric(labels, core.num_preemptions)
+            drafts.add_metric(labels, core.speculation.num_draft_tokens)
+            accepted.add_metric(labels, core.speculation.num_accepted_tokens)
+            g["acceptance"].add_metric(labels, core.speculation.acceptance_rate)
         yield from g.values()
-        yield preemptions
+        yield from (preemptions, drafts, accepted)
 
 
 def _gauges() -> dict[str, GaugeMetricFamily]:
@@ -103,4 +116,8 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
             "canteen_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache"
         ),
         "ready": gauge("canteen_worker_ready", "1 while the worker accepts work, else 0"),
+        "acceptance": gauge(
+            "canteen_speculative_acceptance_rate",
+            "Share of verified draft tokens accepted (0 before any)",
+        ),
     }

@@ -68,6 +68,7 @@ class Sequence:
     num_failovers: int = 0
     is_refused: bool = False  # a worker refused its plan entry: it failed alone
     cache_salt: str = ""  # its prefix-cache tenant; "" shares with every other request
+    allow_speculation: bool = True  # the request may verify draft tokens
     # The key on the worker and in every table: made here, unique.
     seq_id: str = field(default_factory=new_seq_id)
     # Pipelined steps: what plans the worker has not answered yet will compute and sample.

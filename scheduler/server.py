@@ -48,6 +48,7 @@ def params_from_pb(
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
         cache_salt=msg.cache_salt,
+        disable_speculation=msg.disable_speculation,
         deadline=time.monotonic() + time_remaining if time_remaining is not None else None,
     )
 

@@ -53,6 +53,7 @@ class GenerateParams:
     priority: int
     deadline: float | None = None  # monotonic time the caller stops waiting
     cache_salt: str = ""  # prefix-cache tenant (the gateway's --cache-isolation key)
+    disable_speculation: bool = False
 
 
 class SchedulerService:
@@ -94,6 +95,7 @@ class SchedulerService:
             priority=params.priority,
             max_model_len=desc.max_model_len,
             cache_salt=params.cache_salt,
+            allow_speculation=not params.disable_speculation,
         )
         return link, seq
 

@@ -25,7 +25,10 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
         ],
         scheduled=[
             worker_pb2.ScheduledSequence(
-                seq_id=s.seq_id, num_tokens=s.num_tokens, new_block_ids=s.new_block_ids
+                seq_id=s.seq_id,
+                num_tokens=s.num_tokens,
+                new_block_ids=s.new_block_ids,
+                num_draft_tokens=s.num_draft_tokens,
             )
             for s in plan.scheduled
         ],
@@ -50,4 +53,6 @@ def result_from_pb(msg: worker_pb2.StepResult) -> StepResult:
         forward_ns=msg.timings.forward_ns,
         sample_ns=msg.timings.sample_ns,
         total_ns=msg.timings.total_ns,
+        num_draft_tokens=msg.num_draft_tokens,
+        num_accepted_tokens=msg.num_accepted_tokens,
     )

@@ -37,6 +37,7 @@ from worker.memory import (
 from worker.observe import WorkerMetrics
 from worker.runner import ModelRunner, kv_bytes_per_block
 from worker.server import WorkerIdentity, WorkerServicer
+from worker.speculate import SpeculationConfig
 
 log = get_logger("worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -105,7 +106,8 @@ def build_runner(
         kv_cache_bytes=config.kv_cache_bytes,
         num_blocks=config.num_kv_blocks,
     )
-    runner = ModelRunner(loaded, size.num_blocks, bs, config.max_batched_tokens)
+    speculation = SpeculationConfig(config.speculative, config.num_speculative_tokens)
+    runner = ModelRunner(loaded, size.num_blocks, bs, config.max_batched_tokens, speculation)
     warm_up(runner, min(bs * 2, size.num_blocks * bs - 1))
     return runner, size
 

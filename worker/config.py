@@ -10,6 +10,7 @@ from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
 from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
+from worker.speculate import SPECULATIVE_KINDS
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class WorkerConfig(InternalLinkOptions):
         "fast (Canteen's fused layers, for llama, mistral, qwen2, qwen3, granite) or "
         "transformers (the reference forward; always used for other families)",
     )
+    speculative: str = option(
+        "none",
+        "speculative decoding: none, or ngram (draft tokens looked up in the sequence's own "
+        "prompt and output, verified in the same forward; the tokens are exactly those "
+        "without it)",
+    )
+    num_speculative_tokens: int = option(4, "most draft tokens per sequence and step, 1..16")
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: str = option("512MiB", "bytes of KV cache, e.g. 512MiB or 2GiB")
     memory_fraction: float = option(
@@ -91,6 +99,18 @@ class WorkerConfig(InternalLinkOptions):
             "dtype",
             self.dtype,
             "must be auto or bfloat16 with --quantization (the low-bit kernels compute in it)",
+        )
+        require(
+            self.speculative in SPECULATIVE_KINDS,
+            "speculative",
+            self.speculative,
+            "must be none or ngram",
+        )
+        require(
+            1 <= self.num_speculative_tokens <= 16,
+            "num_speculative_tokens",
+            self.num_speculative_tokens,
+            "must be in 1..16",
         )
         require(
             self.forward in ("fast", "transformers"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ from worker.constrain import Constraints, load_tokenizer
 from worker.guard import BlockLedger, EntryError
 from worker.loader import LoadedModel
 from worker.sampler import sample
+from worker.speculate import SpeculationConfig, accept, propose_ngram
 
 
 @dataclass
@@ -36,6 +37,7 @@ class SequenceState:
     block_ids: list[int]
     num_computed: int
     keys: list[bytes]  # chained content keys of its full computed blocks (worker/guard.py)
+    drafts: list[int] = field(default_factory=list)  # this step's draft tokens, if any
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -45,9 +47,15 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 class ModelRunner:
     def __init__(
-        self, loaded: LoadedModel, num_blocks: int, block_size: int, max_batched_tokens: int
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int,
+        max_batched_tokens: int,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         self.loaded = loaded
+        self.speculation = speculation or SpeculationConfig()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_batched_tokens = max_batched_tokens
@@ -90,13 +98,16 @@ class ModelRunner:
             keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
             logits = self.loaded.forward(input_ids, positions, batch, keep)
         sample_start = time.perf_counter_ns()
+        num_drafts = sum(len(self.sequences[s.seq_id].drafts) for s in plan.scheduled)
         tokens = self._sample_and_advance(plan, logits, sample_rows)
         done = time.perf_counter_ns()
         return StepResult(
             step_id=plan.step_id,
             tokens=tuple(tokens),
             failed=tuple(failed),
-            num_tokens=plan.num_tokens,
+            num_tokens=plan.num_tokens + num_drafts,
+            num_draft_tokens=num_drafts,
+            num_accepted_tokens=len(tokens) - len({t.seq_id for t in tokens}),
             forward_ns=sample_start - forward_start,
             sample_ns=done - sample_start,
             total_ns=done - started,
@@ -195,16 +206,19 @@ class ModelRunner:
         for item in plan.scheduled:
             seq = self.sequences[item.seq_id]
             start, end = seq.num_computed, seq.num_computed + item.num_tokens
+            seq.drafts = self._propose(seq, item, end)
+            known = end
+            end += len(seq.drafts)
             row = len(ids)
-            ids.extend(seq.tokens[start:end])
+            ids.extend(seq.tokens[start:known] + seq.drafts)
             pos.extend(range(start, end))
             slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            if item.num_tokens == 1:
+            if end - start == 1:
                 decodes.append((row, seq.block_ids[: (end + bs - 1) // bs], end))
             else:
-                spans.append((row, item.num_tokens, end, seq.block_ids[: (end + bs - 1) // bs]))
-            if end == len(seq.tokens):
-                sample_rows.append(len(ids) - 1)
+                spans.append((row, end - start, end, seq.block_ids[: (end + bs - 1) // bs]))
+            if known == len(seq.tokens):  # samples: its last token, and each draft
+                sample_rows.extend(range(len(ids) - 1 - len(seq.drafts), len(ids)))
         device = self.loaded.device
         batch = PagedBatch(
             kv_pool=self.kv_pool,
@@ -216,6 +230,21 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         positions = torch.tensor(pos, dtype=torch.long, device=device)
         return batch, input_ids, positions, sample_rows
+
+    def _propose(self, seq: SequenceState, item: ScheduledSequence, end: int) -> list[int]:
+        """Draft tokens to verify after ``seq``'s last one: only where the scheduler granted
+        them, the sequence samples this step, is unconstrained, and its blocks have room."""
+        spec = self.speculation
+        if not (spec.is_on and item.num_draft_tokens and end == len(seq.tokens)):
+            return []
+        if seq.sampling.constraint is not None:
+            return []  # each draft would need the grammar's state after the one before
+        room = len(seq.block_ids) * self.block_size - end
+        limit = min(item.num_draft_tokens, spec.num_tokens, room, self.max_model_len - end - 1)
+        drafts = propose_ngram(seq.tokens, limit, spec.max_ngram, spec.min_ngram)
+        if drafts:
+            self.ledger.will_write(seq.block_ids, end, end + len(drafts))
+        return drafts
 
     def _slots(self, block_tables: torch.Tensor) -> torch.Tensor:
         """[..., n] block ids -> [..., n * block_size] slot ids, in token order."""
@@ -255,19 +284,30 @@ class ModelRunner:
                 sampling_seqs.append(seq)
         if not sampling_seqs:
             return []
-        rows = logits[: len(sampling_seqs)].float()  # float32 logits: the same tensor
-        seq_ids = [s.seq_id for s in sampling_seqs]
+        # one row per sampled position: a sequence's last token, then each of its drafts
+        per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
+        rows = logits[: len(per_row)].float()  # float32 logits: the same tensor
+        seq_ids = [s.seq_id for s, _ in per_row]
         if self.constraints.has_any(seq_ids):
             with torch.inference_mode():  # the logits are inference tensors
                 self.constraints.mask(rows, seq_ids)
         token_ids, logprobs, tops = sample(
-            rows, [s.sampling for s in sampling_seqs], [len(s.tokens) for s in sampling_seqs]
+            rows, [s.sampling for s, _ in per_row], [len(s.tokens) + i for s, i in per_row]
         )
         out = []
-        for seq, token, logprob, top in zip(sampling_seqs, token_ids, logprobs, tops, strict=True):
-            seq.tokens.append(token)
-            self.constraints.advance(seq.seq_id, token)
-            out.append(SampledToken(seq.seq_id, token, logprob, top))
+        row = 0
+        for seq in sampling_seqs:
+            n = 1 + len(seq.drafts)
+            kept = accept(seq.drafts, token_ids[row : row + n])
+            for i, token in enumerate(kept):
+                seq.tokens.append(token)
+                self.constraints.advance(seq.seq_id, token)
+                out.append(SampledToken(seq.seq_id, token, logprobs[row + i], tops[row + i]))
+            if len(kept) > 1:  # the accepted drafts' KV was computed with the right tokens
+                seq.num_computed += len(kept) - 1
+                self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed)
+            seq.drafts = []
+            row += n
         return out
 
 

@@ -46,7 +46,8 @@ def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
             for n in msg.new_sequences
         ),
         scheduled=tuple(
-            ScheduledSequence(s.seq_id, s.num_tokens, tuple(s.new_block_ids)) for s in msg.scheduled
+            ScheduledSequence(s.seq_id, s.num_tokens, tuple(s.new_block_ids), s.num_draft_tokens)
+            for s in msg.scheduled
         ),
         dropped_seq_ids=tuple(msg.dropped_seq_ids),
     )
@@ -70,6 +71,8 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
         ],
         failed=[worker_pb2.SequenceFailure(seq_id=f.seq_id, error=f.error) for f in result.failed],
         num_tokens=result.num_tokens,
+        num_draft_tokens=result.num_draft_tokens,
+        num_accepted_tokens=result.num_accepted_tokens,
         timings=worker_pb2.StepTimings(
             forward_ns=result.forward_ns, sample_ns=result.sample_ns, total_ns=result.total_ns
         ),
@@ -124,6 +127,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dtype=str(loaded.dtype).removeprefix("torch."),
             dtype_reason=loaded.dtype_reason,
             quantization=loaded.quantization,
+            speculative=self.runner.speculation.kind,
+            num_speculative_tokens=(
+                self.runner.speculation.num_tokens if self.runner.speculation.is_on else 0
+            ),
         )
 
     async def Run(

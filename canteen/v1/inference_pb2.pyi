@@ -196,6 +196,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     TOOL_FUNCTION_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    DISABLE_SPECULATION_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name or alias; empty means the default model."""
     prompt: _builtins.str
@@ -222,6 +223,10 @@ class GenerateRequest(_message.Message):
     """With TOOL_CHOICE_FUNCTION: the name of the function that must be called."""
     parallel_tool_calls: _builtins.bool
     """Whether an answer may hold more than one call; unset means true."""
+    disable_speculation: _builtins.bool
+    """Never verify draft tokens for this request (speculative decoding changes no token, only
+    the speed; this is for measuring and for isolating a problem).
+    """
     @_builtins.property
     def messages(self) -> Global___ChatMessages:
         """Chat messages, rendered with the model's chat template and a generation prompt."""
@@ -266,10 +271,11 @@ class GenerateRequest(_message.Message):
         tool_choice: Global___ToolChoice.ValueType = ...,
         tool_function: _builtins.str = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        disable_speculation: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015

@@ -35,6 +35,7 @@ class ScheduleRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    DISABLE_SPECULATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request label (x-request-id): logged and echoed, never used as a key. The
     scheduler makes its own unique sequence id for every request.
@@ -53,6 +54,8 @@ class ScheduleRequest(_message.Message):
     """Salt of the prefix cache's block hashes: requests with different salts never share
     cached blocks (the gateway sets it per API key with --cache-isolation key). Empty: shared.
     """
+    disable_speculation: _builtins.bool
+    """Never verify draft tokens for this request."""
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids."""
@@ -78,10 +81,11 @@ class ScheduleRequest(_message.Message):
         ignore_eos: _builtins.bool = ...,
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
+        disable_speculation: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,6 +59,8 @@ class WorkerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     DTYPE_REASON_FIELD_NUMBER: _builtins.int
     QUANTIZATION_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_FIELD_NUMBER: _builtins.int
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id, unique per process."""
     model: _builtins.str
@@ -91,6 +93,10 @@ class WorkerInfo(_message.Message):
     """Why the worker chose that dtype (e.g. "--dtype auto: the CPU has AVX512-BF16")."""
     quantization: _builtins.str
     """Weight-only quantization of the linear layers ("none", "int8", "int4")."""
+    speculative: _builtins.str
+    """How the worker proposes draft tokens ("none" or "ngram"; --speculative)."""
+    num_speculative_tokens: _builtins.int
+    """Most draft tokens it verifies per sequence and step (--num-speculative-tokens)."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model."""
@@ -115,10 +121,12 @@ class WorkerInfo(_message.Message):
         dtype: _builtins.str = ...,
         dtype_reason: _builtins.str = ...,
         quantization: _builtins.str = ...,
+        speculative: _builtins.str = ...,
+        num_speculative_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -196,10 +204,16 @@ class ScheduledSequence(_message.Message):
     SEQ_ID_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     """Sequence id."""
     num_tokens: _builtins.int
     """Tokens to compute this step, starting after the last computed one."""
+    num_draft_tokens: _builtins.int
+    """Most draft tokens the worker may propose and verify after this step's token (0: none).
+    The sequence's blocks have room for them; the step then samples up to
+    num_draft_tokens + 1 tokens for it.
+    """
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Blocks appended to the sequence's block table before this step."""
@@ -210,10 +224,11 @@ class ScheduledSequence(_message.Message):
         seq_id: _builtins.str = ...,
         num_tokens: _builtins.int = ...,
         new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "num_tokens", b"num_tokens", "seq_id", b"seq_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "num_draft_tokens", b"num_draft_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -336,13 +351,21 @@ class StepResult(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The plan's step id."""
     num_tokens: _builtins.int
     """Tokens computed this step."""
+    num_draft_tokens: _builtins.int
+    """Draft tokens proposed and verified this step, over all sequences."""
+    num_accepted_tokens: _builtins.int
+    """Of those, the ones accepted (each a token gained without a step of its own)."""
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
-        """One token per sequence whose known tokens were all computed this step."""
+        """One token per sequence whose known tokens were all computed this step; with accepted
+        draft tokens, several, in order.
+        """
 
     @_builtins.property
     def timings(self) -> Global___StepTimings:
@@ -362,10 +385,12 @@ class StepResult(_message.Message):
         num_tokens: _builtins.int = ...,
         timings: Global___StepTimings | None = ...,
         failed: _abc.Iterable[Global___SequenceFailure] | None = ...,
+        num_draft_tokens: _builtins.int = ...,
+        num_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "num_tokens", b"num_tokens", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_tokens", b"num_tokens", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

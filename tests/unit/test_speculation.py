@@ -1,0 +1,243 @@
+"""Speculative decoding: the scheduler's grants and block accounting, the learned rule, the
+n-gram proposer, and the worker's verification on the tiny model."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from canteen.batching import BatchConfig
+from canteen.plan import (
+    NewSequence,
+    SampledToken,
+    Sampling,
+    ScheduledSequence,
+    StepPlan,
+    StepResult,
+)
+from scheduler.batcher import BatchScheduler
+from scheduler.blocks import BlockPool
+from scheduler.sequence import Finish, Sequence
+from scheduler.speculation import SpeculationPolicy
+from tests.support import reference
+from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq, next_token
+from worker.loader import LoadedModel, load_model
+from worker.runner import ModelRunner
+from worker.speculate import SpeculationConfig, accept, propose_ngram
+
+K = 4
+
+
+class DraftingWorker(FakeWorker):
+    """Verifies drafts the way worker/runner.py does: of ``k`` granted, the first
+    ``hits()`` are right, so the step makes hits + 1 tokens."""
+
+    def __init__(self, num_blocks: int, hits: st.DrawFn | None = None) -> None:
+        super().__init__(num_blocks)
+        self.hits = hits or (lambda k: k)
+        self.num_drafts = 0
+
+    def step(self, plan: StepPlan) -> StepResult:
+        result = super().step(plan)
+        tokens, drafts, accepted = list(result.tokens), 0, 0
+        for item in plan.scheduled:
+            seq = self.seqs[item.seq_id]
+            if item.num_draft_tokens == 0 or seq.num_computed + 1 != len(seq.tokens):
+                continue
+            room = len(seq.block_ids) * self.block_size - seq.num_computed
+            assert item.num_draft_tokens <= room, "drafts granted without blocks"
+            k = item.num_draft_tokens
+            hits = min(self.hits(k), k)
+            drafts, accepted = drafts + k, accepted + hits
+            for _ in range(hits):  # accepted drafts: computed, and the next draw made
+                seq.num_computed += 1
+                token = next_token(seq.tokens)
+                seq.tokens.append(token)
+                tokens.append(SampledToken(item.seq_id, token, 0.0))
+        tokens.sort(key=lambda t: [s.seq_id for s in plan.scheduled].index(t.seq_id))
+        self.num_drafts += drafts
+        return StepResult(
+            plan.step_id,
+            tuple(tokens),
+            num_tokens=plan.num_tokens + drafts,
+            total_ns=1_000_000,
+            num_draft_tokens=drafts,
+            num_accepted_tokens=accepted,
+        )
+
+
+def speculating(num_blocks: int = 64, depth: int = 2) -> BatchScheduler:
+    limits = BatchConfig(
+        max_batched_tokens=64, max_num_seqs=16, max_step_stall=0, pipeline_depth=depth
+    )
+    return BatchScheduler(BlockPool(num_blocks, BLOCK_SIZE), limits, num_draft_tokens=K)
+
+
+def drive(sched: BatchScheduler, worker: FakeWorker, seqs: list[Sequence]) -> None:
+    for _ in range(2000):
+        if all(s.is_finished for s in seqs) and not sched.has_work:
+            return
+        plans = []
+        while (plan := sched.schedule()) is not None:
+            plans.append(plan)
+        for plan in plans:
+            sched.update(worker.step(plan))
+            for seq in sched.running:  # never more than the tokens plus one step of drafts
+                assert len(seq.block_ids) <= sched.pool.blocks_for(seq.num_tokens + K + 1)
+    raise AssertionError("did not finish")
+
+
+def test_accepted_drafts_make_several_tokens_a_step_and_the_same_output() -> None:
+    sched, worker = speculating(), DraftingWorker(64)
+    seq = make_seq("a", prompt_len=5, max_tokens=21)
+    sched.add(seq)
+    drive(sched, worker, [seq])
+    assert seq.finish is Finish.LENGTH
+    assert seq.output_ids == expected_tokens(seq.prompt_ids, 21)
+    decodes = [s for p in worker.plans for s in p.scheduled if s.num_draft_tokens]
+    assert decodes and len(worker.plans) < 10  # 1 prefill + 20 tokens at up to 5 a step
+    assert sched.pool.num_free == 64
+    assert sched.speculation.num_accepted_tokens == worker.num_drafts
+
+
+def test_no_plan_is_built_on_top_of_one_that_verifies_drafts() -> None:
+    sched, worker = speculating(), DraftingWorker(64)
+    seq = make_seq("a", prompt_len=5, max_tokens=30)
+    sched.add(seq)
+    sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]  # the prefill
+    plan = sched.schedule()
+    assert plan is not None and plan.scheduled[0].num_draft_tokens == K
+    assert sched.schedule() is None  # its token count is unknown until it returns
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_answer_there() -> None:
+    probe = make_seq("s", prompt_len=6, max_tokens=50)
+    stop = expected_tokens(probe.prompt_ids, 7)[6]
+    sched, worker = speculating(), DraftingWorker(64)
+    seq = make_seq("s", prompt_len=6, max_tokens=50, stop_token_ids=frozenset({stop}))
+    sched.add(seq)
+    drive(sched, worker, [seq])
+    assert seq.finish is Finish.STOP
+    assert seq.output_ids == expected_tokens(seq.prompt_ids, 6)
+    assert sched.pool.num_free == 64
+
+
+def test_max_tokens_is_never_passed_by_a_run_of_drafts() -> None:
+    for max_tokens in range(1, 12):
+        sched, worker = speculating(), DraftingWorker(64)
+        seq = make_seq("m", prompt_len=3, max_tokens=max_tokens)
+        sched.add(seq)
+        drive(sched, worker, [seq])
+        assert seq.output_ids == expected_tokens(seq.prompt_ids, max_tokens)
+        granted = [s.num_draft_tokens for p in worker.plans for s in p.scheduled]
+        assert max(granted) <= max(max_tokens - 2, 0)  # after the prefill's token
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 30)), min_size=1, max_size=6),
+    seed=st.integers(0, 10_000),
+    num_blocks=st.integers(8, 40),
+)
+def test_rejected_drafts_never_leak_a_block(
+    lens: list[tuple[int, int]], seed: int, num_blocks: int
+) -> None:
+    rng = random.Random(seed)
+    sched = speculating(num_blocks)
+    worker = DraftingWorker(num_blocks, hits=lambda k: rng.randint(0, k))
+    seqs = [make_seq(f"q{i}", p, m) for i, (p, m) in enumerate(lens)]
+    fitting = [
+        s for s in seqs if sched.pool.blocks_for(len(s.prompt_ids) + s.max_tokens) <= num_blocks
+    ]
+    for s in fitting:
+        sched.add(s)
+    drive(sched, worker, fitting)
+    for s in fitting:
+        assert s.output_ids == expected_tokens(s.prompt_ids, s.max_tokens)
+    assert sched.pool.num_free == num_blocks and not sched.running
+
+
+def test_the_rule_turns_drafts_off_for_big_batches_and_on_again() -> None:
+    policy = SpeculationPolicy(K)
+    for n in range(1, 60):  # a step costs 20 ms plus 1 ms a token
+        policy.observe(n, 0.020 + 0.001 * n, drafts=n, accepted=n // 2)
+    assert policy.acceptance == pytest.approx(0.5, abs=0.05)
+    # drafts pay while n < alpha * a / ((1 - alpha) * b) = 0.5 * 20 / 0.5 = 20
+    assert policy.drafts_for(4) == K and policy.drafts_for(16) == K
+    assert policy.drafts_for(24) == 0 and policy.drafts_for(2) == K
+    assert SpeculationPolicy(0).drafts_for(1) == 0
+
+
+def test_ngram_proposals_follow_the_latest_earlier_occurrence() -> None:
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert propose_ngram(tokens, 3, max_n=3, min_n=2) == [7, 8, 1]
+    assert propose_ngram([5, 6, 7, 8], 3) == []
+    assert propose_ngram(tokens, 0) == []
+    assert accept([7, 8, 1], [7, 8, 5, 9]) == [7, 8, 5]
+    assert accept([7, 8], [7, 8, 6]) == [7, 8, 6]
+    assert accept([7, 8], [3, 8, 6]) == [3]
+
+
+# -- the worker's verification, on the tiny model ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir: Path) -> LoadedModel:
+    return load_model(
+        str(tiny_model_dir), "safetensors", "", torch.device("cpu"), torch.float32, False
+    )
+
+
+def _decode(runner: ModelRunner, prompt: list[int], sampling: Sampling, new: int) -> list[int]:
+    """One sequence to ``new`` tokens, granting drafts every step (as the scheduler would)."""
+    runner.reset()
+    blocks = tuple(range(runner.blocks_for(len(prompt) + new + K + 1)))
+    seq = NewSequence("s", tuple(prompt), sampling, blocks)
+    plan = StepPlan(0, (seq,), (ScheduledSequence("s", len(prompt), (), K),))
+    out: list[int] = []
+    step = 0
+    while len(out) < new:
+        result = runner.step(plan)
+        assert not result.failed
+        out += [t.token_id for t in result.tokens]
+        step += 1
+        plan = StepPlan(step, (), (ScheduledSequence("s", 1, (), K),))
+    return out[:new]
+
+
+def test_greedy_with_drafts_equals_transformers_and_drafts_are_accepted(
+    loaded: LoadedModel, tiny_model_dir: Path
+) -> None:
+    tok = reference.tokenizer(tiny_model_dir)
+    text = "The capital of France is Paris. The capital of Italy is Rome. " * 3
+    prompt = list(tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+    plain = ModelRunner(loaded, 64, 8, 256)
+    drafting = ModelRunner(loaded, 64, 8, 256, SpeculationConfig("ngram", K))
+    expected = reference.greedy(tiny_model_dir, prompt, 40)
+    assert _decode(plain, prompt, Sampling(0.0), 40) == expected
+    steps: list[StepResult] = []
+    original = drafting.step
+
+    def counting(plan: StepPlan) -> StepResult:
+        steps.append(original(plan))
+        return steps[-1]
+
+    drafting.step = counting  # type: ignore[method-assign]
+    assert _decode(drafting, prompt, Sampling(0.0), 40) == expected
+    assert sum(s.num_draft_tokens for s in steps) > 0
+    assert sum(s.num_accepted_tokens for s in steps) > 0
+
+
+def test_seeded_sampling_with_drafts_makes_the_same_tokens(loaded: LoadedModel) -> None:
+    prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9]
+    sampling = Sampling(temperature=0.8, top_p=0.95, seed=1234)
+    plain = _decode(ModelRunner(loaded, 64, 8, 256), prompt, sampling, 40)
+    drafted = _decode(
+        ModelRunner(loaded, 64, 8, 256, SpeculationConfig("ngram", K)), prompt, sampling, 40
+    )
+    assert drafted == plain
