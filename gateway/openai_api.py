@@ -23,7 +23,7 @@ from gateway.openai_tools import (
 )
 from gateway.service import GenerateInput, TextDelta
 from gateway.structured import CONSTRAINT_FIELDS, constraint_from_body
-from gateway.tools import ChatMessage, ToolCall, with_tool_constraint
+from gateway.tools import ChatMessage, ToolCall, ToolRequest, with_tool_constraint
 
 MAX_N = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # int64 or uint64; sent upstream modulo 2**64
@@ -187,6 +187,23 @@ def _check_fields(kind: str, body: dict[str, Any]) -> None:
         raise InvalidInputError(f"{name}: not supported by this server; remove the field")
 
 
+def _sampling(kind: str, body: dict[str, Any], top: int) -> tuple[Sampling, ToolRequest | None]:
+    """The sampling parameters (seed drawn later, per choice) and the tools; a forced tool
+    choice becomes the constraint."""
+    sampling = Sampling(
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 1.0),
+        top_k=_get(body, "top_k", int, 0),  # an extension, as in vLLM
+        top_logprobs=top,
+        constraint=constraint_from_body(body),
+    )
+    tools = parse_tools(body) if kind == "chat" else None
+    sampling = with_tool_constraint(sampling, tools)
+    if (problem := sampling.problem()) is not None:
+        raise InvalidInputError(problem)
+    return sampling, tools
+
+
 def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
     """Parses a /v1/chat/completions (kind "chat") or /v1/completions body."""
     if not isinstance(body, dict):
@@ -214,17 +231,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
     seed = _get(body, "seed", int, None)
     if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
         raise InvalidInputError(f"seed={seed}: must be in {SEED_MIN}..{SEED_MAX}")
-    sampling = Sampling(
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 1.0),
-        top_k=_get(body, "top_k", int, 0),  # an extension, as in vLLM
-        top_logprobs=top,
-        constraint=constraint_from_body(body),
-    )
-    tools = parse_tools(body) if kind == "chat" else None
-    sampling = with_tool_constraint(sampling, tools)
-    if (problem := sampling.problem()) is not None:
-        raise InvalidInputError(problem)
+    sampling, tools = _sampling(kind, body, top)
     common = dict(
         model=_get(body, "model", str, ""),
         max_tokens=max_tokens,
