@@ -30,8 +30,16 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolSuite]:
     try:
         registry = s.start_registry()
         scheduler = s.start_scheduler(registry)
+        # Speculation changes no token: every exactness test here runs with it on.
         s.start_worker(
-            registry, "SmolLM2-135M-Instruct", "--kv-cache-memory", "256MiB", "--threads", "2"
+            registry,
+            "SmolLM2-135M-Instruct",
+            "--kv-cache-memory",
+            "256MiB",
+            "--threads",
+            "2",
+            "--speculative",
+            "ngram",
         )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
         gateway = s.start_gateway(registry, scheduler)

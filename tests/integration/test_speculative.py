@@ -1,0 +1,148 @@
+"""Speculative decoding through the whole suite: the tokens are exactly those without it.
+
+Two workers run ``--speculative ngram`` over a small KV pool (so preemption happens), and
+prompts repeat themselves (so drafts are found and accepted).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.support import reference
+from tests.support.streams import Stream, until
+from tests.support.suite import Service, Suite, wait_serving
+
+WORKER_ARGS = (
+    "--speculative", "ngram", "--num-speculative-tokens", "4", "--num-kv-blocks", "48",
+    "--block-size", "8", "--threads", "1",
+)  # fmt: skip
+REPEAT = "the king and the queen of the land far away, " * 2
+
+
+@dataclass
+class Spec:
+    suite: Suite
+    registry: Service
+    scheduler: Service
+    gateway: Service
+    workers: dict[str, Service]
+
+    def stats(self) -> dict[str, scheduler_pb2.WorkerStats]:
+        with grpc.insecure_channel(self.scheduler.address) as channel:
+            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+                scheduler_pb2.GetStatsRequest(), timeout=5
+            )
+        return {w.worker_id: w for w in reply.workers}
+
+    def complete(self, prompt: str, max_tokens: int, **fields: object) -> list[int]:
+        request = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **fields)
+        with grpc.insecure_channel(self.gateway.address) as channel:
+            reply = inference_pb2_grpc.InferenceStub(channel).Complete(request, timeout=120)
+        return list(reply.token_ids)
+
+    def metric(self, name: str) -> float:
+        text = urllib.request.urlopen(self.scheduler.metrics_url, timeout=5).read().decode()
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)
+        )
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spec]:
+    s = Suite(tmp_path_factory.mktemp("speculative"))
+    try:
+        registry = s.start_tiny_registry(tiny_model_dir, "--lease-ttl", "2")
+        scheduler = s.start_scheduler(
+            registry, "--max-step-stall", "0", "--failover-wait", "20", "--worker-timeout", "10"
+        )
+        workers = {
+            name: s.start_worker(registry, "tiny", *WORKER_ARGS, name=name)
+            for name in ("worker-a", "worker-b")
+        }
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
+        gateway = s.start_gateway(registry, scheduler)
+        yield Spec(s, registry, scheduler, gateway, workers)
+    finally:
+        s.stop()
+
+
+def _prompts(n: int) -> list[str]:
+    return [
+        f"{REPEAT} story {i}: {REPEAT}" if i % 2 else f"Story number {i} begins" for i in range(n)
+    ]
+
+
+def test_sixteen_mixed_greedy_streams_equal_transformers(spec: Spec, tiny_model_dir: Path) -> None:
+    tok = reference.tokenizer(tiny_model_dir)
+    prompts = _prompts(16)
+    drafts_before = spec.metric("canteen_speculative_accepted_tokens_total")
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        outputs = list(
+            pool.map(lambda p: spec.complete(p, 40, temperature=0, ignore_eos=True), prompts)
+        )
+    for prompt, got in zip(prompts, outputs, strict=True):
+        ids = list(tok(prompt, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+        assert got == reference.greedy(tiny_model_dir, ids, 40), prompt
+    assert spec.metric("canteen_speculative_accepted_tokens_total") > drafts_before
+
+
+def test_seeded_sampling_is_the_same_with_and_without_speculation(spec: Spec) -> None:
+    for i, prompt in enumerate(_prompts(4)):
+        fields = {"temperature": 0.9, "seed": 100 + i, "ignore_eos": True}
+        on = spec.complete(prompt, 48, **fields)
+        off = spec.complete(prompt, 48, disable_speculation=True, **fields)
+        assert on == off, prompt
+
+
+def test_max_tokens_and_stop_strings_cut_inside_accepted_runs(spec: Spec) -> None:
+    prompt = _prompts(2)[1]
+    whole = spec.complete(prompt, 60, temperature=0, ignore_eos=True)
+    for n in (1, 2, 3, 5, 7, 11):
+        assert spec.complete(prompt, n, temperature=0, ignore_eos=True) == whole[:n]
+    with grpc.insecure_channel(spec.gateway.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        full = stub.Complete(
+            inference_pb2.GenerateRequest(
+                prompt=prompt, max_tokens=60, temperature=0, ignore_eos=True
+            )
+        ).text
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        cut = stub.Complete(
+            inference_pb2.GenerateRequest(
+                prompt=prompt, max_tokens=60, temperature=0, ignore_eos=True, stop=[stop]
+            )
+        )
+    assert cut.text == full[: full.index(stop)]
+
+
+def test_seeded_streams_survive_preemption_and_sigkill_exactly(spec: Spec) -> None:
+    prompts = _prompts(8)
+    streams = [Stream(spec.gateway.address, p, 120, seed=7 + i) for i, p in enumerate(prompts)]
+    for s in streams:
+        s.start()
+    until(lambda: all(len(s.tokens) >= 6 for s in streams), 60, "every stream to start")
+    running = {wid: w.num_running for wid, w in spec.stats().items()}
+    victim = max(running, key=lambda wid: running[wid])
+    assert running[victim] > 0, running
+    survivor = next(w for w in running if w != victim)
+    preempted = spec.stats()[survivor].num_preemptions
+    spec.workers[victim].process.send_signal(signal.SIGKILL)
+    for s in streams:
+        s.join(120)
+    # all eight on one 48-block pool: some had to be preempted and resumed
+    assert spec.stats()[survivor].num_preemptions > preempted
+    for s, prompt in zip(streams, prompts, strict=True):
+        assert s.error is None, s.error
+        alone = spec.complete(prompt, 120, temperature=1.0, seed=s.seed, ignore_eos=True,
+                              disable_speculation=True)  # fmt: skip
+        assert s.tokens == alone, prompt
+    spec.workers[victim] = spec.suite.start_worker(spec.registry, "tiny", *WORKER_ARGS, name=victim)
