@@ -21,7 +21,8 @@ from canteen.plan import (
     StepPlan,
     StepResult,
 )
-from worker.attention import DecodeGroup, PagedBatch, PrefillSpan
+from worker.attention import PagedBatch
+from worker.batch import BatchBuilder, Row
 from worker.constrain import Constraints, load_tokenizer
 from worker.guard import BlockLedger, EntryError
 from worker.loader import LoadedModel
@@ -79,6 +80,9 @@ class ModelRunner:
         # A decode group gathers at most what the warm-up's decode did (one sequence after a
         # max_batched_tokens prefill), so the warm-up's peak bounds every later step's memory.
         self.max_group_blocks = min(num_blocks, self.blocks_for(max_batched_tokens + 1))
+        self.builder = BatchBuilder(
+            self.kv_pool, block_size, max_batched_tokens, self.max_group_blocks, loaded.dtype
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -196,40 +200,15 @@ class ModelRunner:
         self.ledger.will_write(seq.block_ids, seq.num_computed, end)
 
     def _build(self, plan: StepPlan) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, list[int]]:
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        decodes: list[tuple[int, list[int], int]] = []
-        spans: list[tuple[int, int, int, list[int]]] = []
-        bs = self.block_size
+        rows = []
         for item in plan.scheduled:
             seq = self.sequences[item.seq_id]
             start, end = seq.num_computed, seq.num_computed + item.num_tokens
             seq.drafts = self._propose(seq, item, end)
-            known = end
-            end += len(seq.drafts)
-            row = len(ids)
-            ids.extend(seq.tokens[start:known] + seq.drafts)
-            pos.extend(range(start, end))
-            slots.extend(seq.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            if end - start == 1:
-                decodes.append((row, seq.block_ids[: (end + bs - 1) // bs], end))
-            else:
-                spans.append((row, end - start, end, seq.block_ids[: (end + bs - 1) // bs]))
-            if known == len(seq.tokens):  # samples: its last token, and each draft
-                sample_rows.extend(range(len(ids) - 1 - len(seq.drafts), len(ids)))
-        device = self.loaded.device
-        batch = PagedBatch(
-            kv_pool=self.kv_pool,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            max_scores=self.max_batched_tokens**2,
-            decodes=[self._decode_group(g) for g in group_decodes(decodes, self.max_group_blocks)],
-            prefills=[self._prefill_span(*span) for span in spans],
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        positions = torch.tensor(pos, dtype=torch.long, device=device)
-        return batch, input_ids, positions, sample_rows
+            samples = end == len(seq.tokens)  # its last token, and then each draft
+            tokens = seq.tokens[start:end] + seq.drafts
+            rows.append(Row(tokens, start, seq.block_ids, 1 + len(seq.drafts) if samples else 0))
+        return self.builder.build(rows)
 
     def _propose(self, seq: SequenceState, item: ScheduledSequence, end: int) -> list[int]:
         """Draft tokens to verify after ``seq``'s last one: only where the scheduler granted
@@ -245,32 +224,6 @@ class ModelRunner:
         if drafts:
             self.ledger.will_write(seq.block_ids, end, end + len(drafts))
         return drafts
-
-    def _slots(self, block_tables: torch.Tensor) -> torch.Tensor:
-        """[..., n] block ids -> [..., n * block_size] slot ids, in token order."""
-        offsets = torch.arange(self.block_size, device=block_tables.device)
-        return (block_tables.unsqueeze(-1) * self.block_size + offsets).flatten(-2)
-
-    def _prefill_span(self, start: int, q_len: int, ctx_len: int, blocks: list[int]) -> PrefillSpan:
-        block_ids = torch.tensor(blocks, dtype=torch.long, device=self.loaded.device)
-        return PrefillSpan(start, q_len, ctx_len, block_ids, self._slots(block_ids)[:ctx_len])
-
-    def _decode_group(self, group: list[tuple[int, list[int], int]]) -> DecodeGroup:
-        device = self.loaded.device
-        width = max(len(table) for _, table, _ in group)
-        padded = [table + [0] * (width - len(table)) for _, table, _ in group]
-        lens = torch.tensor([n for _, _, n in group], device=device)
-        keys = torch.arange(width * self.block_size, device=device)
-        mask = keys.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
-        block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        bias = torch.zeros(mask.shape, dtype=self.loaded.dtype, device=device)
-        return DecodeGroup(
-            index=torch.tensor([row for row, _, _ in group], dtype=torch.long, device=device),
-            block_tables=block_tables,
-            mask=mask[:, None, None, :],
-            slots=self._slots(block_tables).flatten(),
-            bias=bias.masked_fill_(~mask, float("-inf")).unsqueeze(1),
-        )
 
     def _sample_and_advance(
         self, plan: StepPlan, logits: torch.Tensor, sample_rows: list[int]
@@ -310,22 +263,3 @@ class ModelRunner:
             row += n
         return out
 
-
-def group_decodes(
-    decodes: list[tuple[int, list[int], int]], max_blocks: int
-) -> list[list[tuple[int, list[int], int]]]:
-    """Splits (row, block table, length) entries into groups that gather <= max_blocks blocks.
-
-    Entries are sorted by table length, so each group pads little; a group's cost is its size
-    times its longest table.
-    """
-    groups: list[list[tuple[int, list[int], int]]] = []
-    current: list[tuple[int, list[int], int]] = []
-    for entry in sorted(decodes, key=lambda e: len(e[1])):
-        if current and (len(current) + 1) * len(entry[1]) > max_blocks:
-            groups.append(current)
-            current = []
-        current.append(entry)
-    if current:
-        groups.append(current)
-    return groups
