@@ -58,11 +58,17 @@ def _decode(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup, scale: floa
     width = group.slots.numel() // rows
     keys = pool[0].index_select(1, group.slots).view(kv_heads, rows, width, dim)
     values = pool[1].index_select(1, group.slots).view(kv_heads, rows, width, dim)
+    dtype = q.dtype
+    if q.device.type == "cpu":
+        # A bfloat16 batched matmul JIT-builds a oneDNN kernel for every new shape (~5 ms and
+        # ~0.7 MiB each; see worker/quant.py), and the width here changes with every block
+        # the context grows: float32 goes to MKL, which keeps nothing per shape.
+        q, keys, values = q.float(), keys.float(), values.float()
     grouped = (q * scale).view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).add_(group.bias)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     out = torch.matmul(probs, values)  # [kv_heads, B, group, D]
-    return out.transpose(0, 1).reshape(rows, heads * dim)
+    return out.transpose(0, 1).reshape(rows, heads * dim).to(dtype)
 
 
 def _prefill(

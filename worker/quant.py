@@ -1,6 +1,7 @@
 """Linear layers prepared once at load for the device's matmul kernel.
 
-    none  dense weights in the model's dtype, contiguous, through ``F.linear``.
+    none  dense weights in the model's dtype: bfloat16 on CPU prepacked for oneDNN with rows
+          padded to a bounded set of buckets (PackedLinear); otherwise ``F.linear``.
     int8  one int8 per weight, one scale per output row: ``torch._weight_int8pack_mm``.
     int4  4-bit weights in groups of 32 along the input, each group with a scale and a zero
           point: ``aten._weight_int4pack_mm_for_cpu``. Its dequantized weight is
@@ -54,11 +55,8 @@ def q4_from_float(weight: torch.Tensor) -> Q4Groups:
 
 
 class DenseLinear:
-    """``F.linear`` on the weight as loaded. oneDNN's prepacked layout
-    (``mkldnn._reorder_linear_weight``) ran bfloat16 decode shapes 1.2-3.4x faster here, but
-    its per-input-shape state grew the worker's RSS by ~0.5 MiB for every new batch size, past
-    the memory budget under load (tests/integration/test_workers.py); not used until that is
-    bounded."""
+    """``F.linear`` on the weight as loaded: float32 (MKL, the exactness reference), CUDA, and
+    any dtype oneDNN cannot prepack on this CPU."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.contiguous()
@@ -66,6 +64,59 @@ class DenseLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+# Row counts oneDNN ever sees: a bfloat16 matmul builds (JIT-compiles) a kernel per input
+# shape, ~5 ms and ~0.6 MiB each, kept in a cache of 1,024. Unbounded shapes grew the worker's
+# RSS past its budget under load and stalled steps whenever a new batch size appeared; padding
+# rows up to a bucket bounds the set, and ``warm_up`` builds all of them before the memory
+# budget is measured. Up to 64 rows a step reads weights (padding is nearly free); above, the
+# buckets are 1.5x apart and longer inputs go through in 256-row pieces.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def row_bucket(rows: int) -> int:
+    """The smallest bucket holding ``rows`` (at most ROW_BUCKETS[-1])."""
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+class PackedLinear:
+    """bfloat16 on CPU: the weight reordered once into oneDNN's blocked layout, which ran
+    decode shapes 1.3-2x faster than ``F.linear`` here (README, Speed), rows padded to
+    ROW_BUCKETS."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.in_features, self.dtype = weight.shape[1], weight.dtype
+        # An opaque oneDNN tensor: only _linear_pointwise may read it (new_zeros on it
+        # corrupts the heap).
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, most = x.shape[0], ROW_BUCKETS[-1]
+        if rows > most:
+            return torch.cat([self(x[lo : lo + most]) for lo in range(0, rows, most)])
+        bucket = row_bucket(rows)
+        if bucket != rows:
+            x = F.pad(x, (0, 0, 0, bucket - rows))
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+            x, self.weight, self.bias, "none", [], ""
+        )
+        return out if bucket == rows else out[:rows]
+
+    def warm_up(self) -> None:
+        """Builds oneDNN's kernel for every bucket now (load time), not under load."""
+        for rows in ROW_BUCKETS:
+            self(torch.zeros(rows, self.in_features, dtype=self.dtype))
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    )
 
 
 class Int8Linear:
@@ -111,7 +162,7 @@ def make_linear(
 ) -> Linear:
     """The layer for ``weight`` [out, in]; ``q4`` carries exact 4-bit values when known."""
     if quantization == "none":
-        return DenseLinear(weight, bias)
+        return PackedLinear(weight, bias) if can_pack(weight) else DenseLinear(weight, bias)
     if quantization == "int8":
         return Int8Linear(weight, bias)
     if quantization == "int4":

@@ -7,9 +7,12 @@ the same sequence among others, and where the two best tokens are that close, gr
 and the continuation diverges from there. vLLM's batch-invariance notes describe the effect.
 The test therefore asserts what holds whatever the batch: every prompt's first 4 tokens
 agree, and at least half the prompts (4 of 8) agree over all 16 tokens, batched vs alone and
-vs transformers at the same dtype. Measured 2026-12-03 on a Zen 4 EPYC (AVX512-BF16, no AMX):
-batched vs alone 6 of 8 identical, vs transformers 7 of 8; the others first differ at tokens
-8-10.
+vs transformers at the same dtype. On CPU Canteen attends in float32 over its bfloat16 cache
+(worker/paged_attention.py) where transformers attends in bfloat16, so on a near-tie it can
+side with float32: a prompt whose first tokens differ from transformers' bfloat16 ones must
+then match transformers' float32 ones. Measured 2026-12-03 10:15 on a Zen 4 EPYC
+(AVX512-BF16, no AMX): batched vs alone 7 of 8 identical (q1 first differs at token 5), vs
+transformers bfloat16 7 of 8 (q6 differs at token 3, where Canteen's token is float32's).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def _prompts() -> dict[str, list[int]]:
     return out
 
 
+@cache
 def _transformers(dtype: torch.dtype) -> dict[str, list[int]]:
     path = _path()
     model = AutoModelForCausalLM.from_pretrained(
@@ -100,8 +104,9 @@ def test_float32_agrees_exactly_alone_batched_and_with_transformers() -> None:
 
 def test_bfloat16_agrees_on_first_tokens_and_most_prompts() -> None:
     batched, alone = _canteen(torch.bfloat16)
-    reference = _transformers(torch.bfloat16)
+    reference, exact = _transformers(torch.bfloat16), _transformers(torch.float32)
+    for seq_id, tokens in batched.items():
+        assert tokens[:FIRST] == alone[seq_id][:FIRST], seq_id
+        assert tokens[:FIRST] in (reference[seq_id][:FIRST], exact[seq_id][:FIRST]), seq_id
     for other in (alone, reference):
-        for seq_id, tokens in batched.items():
-            assert tokens[:FIRST] == other[seq_id][:FIRST], seq_id
         assert sum(batched[s] == other[s] for s in batched) >= len(batched) // 2, (batched, other)
