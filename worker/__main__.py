@@ -89,8 +89,40 @@ def warm_up(runner: ModelRunner, num_tokens: int) -> None:
     runner.step(StepPlan(0, dropped_seq_ids=("warm-up",)))
 
 
+def load_draft(
+    config: WorkerConfig,
+    record: registry_pb2.ModelRecord,
+    device: torch.device,
+    dtype: torch.dtype,
+    target: LoadedModel,
+) -> LoadedModel:
+    """The draft model, at the target's dtype; it must share the target's vocabulary."""
+    log.info("loading draft model", model=record.name, version=record.version)
+    draft = load_model(
+        record.path,
+        _FORMATS.get(record.format, ""),
+        record.sha256,
+        device,
+        dtype,
+        config.verify_checksum,
+        quantization=config.draft_quantization,
+        forward=config.forward,
+    )
+    vocab, target_vocab = draft.model.config.vocab_size, target.model.config.vocab_size
+    if vocab != target_vocab:
+        raise ModelLoadError(
+            f"draft_model={config.draft_model!r}: its vocabulary has {vocab} tokens, the "
+            f"target's {target_vocab}; a draft must share the target's tokenizer"
+        )
+    return draft
+
+
 def build_runner(
-    loaded: LoadedModel, config: WorkerConfig, baseline: Baseline, max_model_len: int
+    loaded: LoadedModel,
+    config: WorkerConfig,
+    baseline: Baseline,
+    max_model_len: int,
+    draft: LoadedModel | None = None,
 ) -> tuple[ModelRunner, PoolSize]:
     """Warms up at the largest step on a scratch pool, then sizes the real pool from the peak."""
     step_tokens = max(min(config.max_batched_tokens, max_model_len - 1), 1)
@@ -101,13 +133,16 @@ def build_runner(
     size = size_pool(
         baseline,
         peak_bytes(loaded.device),
-        kv_bytes_per_block(loaded, bs),
+        # a draft model keeps its own KV for the same block ids
+        kv_bytes_per_block(loaded, bs) + (kv_bytes_per_block(draft, bs) if draft else 0),
         memory_fraction=config.memory_fraction,
         kv_cache_bytes=config.kv_cache_bytes,
         num_blocks=config.num_kv_blocks,
     )
     speculation = SpeculationConfig(config.speculative, config.num_speculative_tokens)
-    runner = ModelRunner(loaded, size.num_blocks, bs, config.max_batched_tokens, speculation)
+    runner = ModelRunner(
+        loaded, size.num_blocks, bs, config.max_batched_tokens, speculation, draft
+    )
     warm_up(runner, min(bs * 2, size.num_blocks * bs - 1))
     return runner, size
 
@@ -142,6 +177,7 @@ async def load(
     record: registry_pb2.ModelRecord,
     engine: Executor,
     servicer: WorkerServicer,
+    draft_record: registry_pb2.ModelRecord | None = None,
 ) -> None:
     """Loads, sizes the KV pool and warms up, all on the engine (main) thread."""
     loop = asyncio.get_running_loop()
@@ -171,9 +207,14 @@ async def load(
             dtype_reason=reason,
         ),
     )
+    draft = None
+    if draft_record is not None:
+        draft = await loop.run_in_executor(
+            engine, load_draft, config, draft_record, device, dtype, loaded
+        )
     max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
     runner, size = await loop.run_in_executor(
-        engine, build_runner, loaded, config, baseline, max_model_len
+        engine, build_runner, loaded, config, baseline, max_model_len, draft
     )
     servicer.runner, servicer.pool_size = runner, size
     servicer.eos_token_ids = loaded.eos_token_ids
@@ -209,6 +250,7 @@ async def serve(
     channel = aio_channel(config.registry, tls, "registry")
     registry = registry_pb2_grpc.RegistryStub(channel)
     record = await fetch_record(registry, config.model)
+    draft = await fetch_record(registry, config.draft_model) if config.draft_model else None
     identity = WorkerIdentity(
         worker_id,
         record.name,
@@ -222,7 +264,7 @@ async def serve(
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
     port = await runtime.start([SERVICE_NAME])
     metrics_http = await start_metrics_http(metrics_registry, config.host, config.metrics_port)
-    await load(config, record, engine, servicer)
+    await load(config, record, engine, servicer, draft)
     assert servicer.pool_size is not None
     metrics.set_pool(servicer.pool_size.kv_bytes, servicer.pool_size.budget_bytes)
     await runtime.set_ready(True)

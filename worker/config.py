@@ -47,6 +47,13 @@ class WorkerConfig(InternalLinkOptions):
         "without it)",
     )
     num_speculative_tokens: int = option(4, "most draft tokens per sequence and step, 1..16")
+    draft_model: str = option(
+        "",
+        "with --speculative draft: the registry model (NAME or NAME:VERSION) that proposes "
+        "drafts; it must share the served model's tokenizer (the same model with "
+        "--draft-quantization int4 is a natural one)",
+    )
+    draft_quantization: str = option("none", "the draft model's --quantization: none, int8, int4")
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: str = option("512MiB", "bytes of KV cache, e.g. 512MiB or 2GiB")
     memory_fraction: float = option(
@@ -104,7 +111,26 @@ class WorkerConfig(InternalLinkOptions):
             self.speculative in SPECULATIVE_KINDS,
             "speculative",
             self.speculative,
-            "must be none or ngram",
+            "must be none, ngram or draft",
+        )
+        require(
+            (self.speculative == "draft") == bool(self.draft_model),
+            "draft_model",
+            self.draft_model or "''",
+            "give a draft model with --speculative draft, and only with it",
+        )
+        require(
+            self.draft_quantization in ("none", "int8", "int4"),
+            "draft_quantization",
+            self.draft_quantization,
+            "must be none, int8 or int4",
+        )
+        require(
+            self.draft_quantization == "none" or self.dtype in ("auto", "bfloat16"),
+            "dtype",
+            self.dtype,
+            "must be auto or bfloat16 with --draft-quantization (the low-bit kernels compute "
+            "in it)",
         )
         require(
             1 <= self.num_speculative_tokens <= 16,

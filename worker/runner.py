@@ -24,6 +24,7 @@ from canteen.plan import (
 from worker.attention import PagedBatch
 from worker.batch import BatchBuilder, Row
 from worker.constrain import Constraints, load_tokenizer
+from worker.draft import DraftModel, DraftRequest
 from worker.guard import BlockLedger, EntryError
 from worker.loader import LoadedModel
 from worker.sampler import sample
@@ -54,6 +55,7 @@ class ModelRunner:
         block_size: int,
         max_batched_tokens: int,
         speculation: SpeculationConfig | None = None,
+        draft: LoadedModel | None = None,
     ) -> None:
         self.loaded = loaded
         self.speculation = speculation or SpeculationConfig()
@@ -82,6 +84,13 @@ class ModelRunner:
         self.max_group_blocks = min(num_blocks, self.blocks_for(max_batched_tokens + 1))
         self.builder = BatchBuilder(
             self.kv_pool, block_size, max_batched_tokens, self.max_group_blocks, loaded.dtype
+        )
+        if (draft is not None) != (self.speculation.kind == "draft"):
+            raise ValueError("a draft model goes with --speculative draft, and only with it")
+        self.draft = (
+            DraftModel(draft, num_blocks, block_size, max_batched_tokens, self.max_group_blocks)
+            if draft is not None
+            else None
         )
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -122,6 +131,8 @@ class ModelRunner:
         self.sequences.clear()
         self.ledger.release_all()
         self.constraints.clear()
+        if self.draft is not None:
+            self.draft.reset()
 
     def _apply(self, plan: StepPlan) -> tuple[StepPlan, list[FailedSequence]]:
         """Applies drops and new sequences; returns the entries that can run this step and
@@ -153,6 +164,8 @@ class ModelRunner:
         if seq is not None:
             self.ledger.release(seq.block_ids)
             self.constraints.drop(seq_id)
+            if self.draft is not None:
+                self.draft.drop(seq_id)
 
     def _add(self, new: NewSequence) -> None:
         if new.seq_id in self.sequences:
@@ -201,29 +214,47 @@ class ModelRunner:
 
     def _build(self, plan: StepPlan) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, list[int]]:
         rows = []
+        proposals = self._propose(plan)
         for item in plan.scheduled:
             seq = self.sequences[item.seq_id]
             start, end = seq.num_computed, seq.num_computed + item.num_tokens
-            seq.drafts = self._propose(seq, item, end)
+            seq.drafts = proposals.get(seq.seq_id, [])
+            if seq.drafts:
+                self.ledger.will_write(seq.block_ids, end, end + len(seq.drafts))
             samples = end == len(seq.tokens)  # its last token, and then each draft
             tokens = seq.tokens[start:end] + seq.drafts
             rows.append(Row(tokens, start, seq.block_ids, 1 + len(seq.drafts) if samples else 0))
         return self.builder.build(rows)
 
-    def _propose(self, seq: SequenceState, item: ScheduledSequence, end: int) -> list[int]:
-        """Draft tokens to verify after ``seq``'s last one: only where the scheduler granted
-        them, the sequence samples this step, is unconstrained, and its blocks have room."""
+    def _propose(self, plan: StepPlan) -> dict[str, list[int]]:
+        """Draft tokens per sequence, by prompt lookup or from the draft model."""
         spec = self.speculation
-        if not (spec.is_on and item.num_draft_tokens and end == len(seq.tokens)):
-            return []
+        if not spec.is_on:
+            return {}
+        wanted = [(self.sequences[i.seq_id], self._draft_limit(i)) for i in plan.scheduled]
+        wanted = [(seq, k) for seq, k in wanted if k > 0]
+        if self.draft is not None:
+            requests = [DraftRequest(s.seq_id, s.tokens, s.block_ids, k) for s, k in wanted]
+            return self.draft.propose(requests)
+        return {
+            seq.seq_id: propose_ngram(seq.tokens, k, spec.max_ngram, spec.min_ngram)
+            for seq, k in wanted
+        }
+
+    def _draft_limit(self, item: ScheduledSequence) -> int:
+        """Drafts ``item`` may verify: only where the scheduler granted them, the sequence
+        samples this step, is unconstrained, and its blocks have room."""
+        seq = self.sequences[item.seq_id]
+        end = seq.num_computed + item.num_tokens
+        if not item.num_draft_tokens or end != len(seq.tokens):
+            return 0
         if seq.sampling.constraint is not None:
-            return []  # each draft would need the grammar's state after the one before
+            return 0  # each draft would need the grammar's state after the one before
         room = len(seq.block_ids) * self.block_size - end
-        limit = min(item.num_draft_tokens, spec.num_tokens, room, self.max_model_len - end - 1)
-        drafts = propose_ngram(seq.tokens, limit, spec.max_ngram, spec.min_ngram)
-        if drafts:
-            self.ledger.will_write(seq.block_ids, end, end + len(drafts))
-        return drafts
+        spec = self.speculation
+        return max(
+            min(item.num_draft_tokens, spec.num_tokens, room, self.max_model_len - end - 1), 0
+        )
 
     def _sample_and_advance(
         self, plan: StepPlan, logits: torch.Tensor, sample_rows: list[int]
@@ -252,6 +283,8 @@ class ModelRunner:
         for seq in sampling_seqs:
             n = 1 + len(seq.drafts)
             kept = accept(seq.drafts, token_ids[row : row + n])
+            if self.draft is not None and seq.drafts:
+                self.draft.verified(seq.seq_id, len(seq.tokens), len(kept))
             for i, token in enumerate(kept):
                 seq.tokens.append(token)
                 self.constraints.advance(seq.seq_id, token)
@@ -262,4 +295,3 @@ class ModelRunner:
             seq.drafts = []
             row += n
         return out
-

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SPECULATIVE_KINDS = ("none", "ngram")
+SPECULATIVE_KINDS = ("none", "ngram", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    kind: str = "none"  # "none" or "ngram"
+    kind: str = "none"  # "none", "ngram" or "draft" (a draft model, worker/draft.py)
     num_tokens: int = 4  # most draft tokens per sequence and step
     max_ngram: int = 4  # longest suffix looked up
     min_ngram: int = 2  # shortest suffix that counts as a match

@@ -146,3 +146,35 @@ def test_seeded_streams_survive_preemption_and_sigkill_exactly(spec: Spec) -> No
                               disable_speculation=True)  # fmt: skip
         assert s.tokens == alone, prompt
     spec.workers[victim] = spec.suite.start_worker(spec.registry, "tiny", *WORKER_ARGS, name=victim)
+
+
+def test_a_draft_model_worker_streams_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """--speculative draft with the tiny model as its own draft: every draft holds, and 16
+    concurrent greedy streams still equal transformers."""
+    s = Suite(tmp_path)
+    try:
+        registry = s.start_tiny_registry(tiny_model_dir)
+        scheduler = s.start_scheduler(registry, "--max-step-stall", "0")
+        args = ("--speculative", "draft", "--draft-model", "tiny", "--threads", "1")
+        worker = s.start_worker(registry, "tiny", *args, "--num-kv-blocks", "96")
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
+        gateway = s.start_gateway(registry, scheduler)
+        drafted = Spec(s, registry, scheduler, gateway, {"worker": worker})
+        tok = reference.tokenizer(tiny_model_dir)
+        prompts = _prompts(16)
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            outputs = list(
+                pool.map(lambda p: drafted.complete(p, 30, temperature=0, ignore_eos=True), prompts)
+            )
+        for prompt, got in zip(prompts, outputs, strict=True):
+            ids = list(tok(prompt, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
+            assert got == reference.greedy(tiny_model_dir, ids, 30), prompt
+        drafts = drafted.metric("canteen_speculative_draft_tokens_total")
+        accepted = drafted.metric("canteen_speculative_accepted_tokens_total")
+        assert drafts > 0 and accepted == drafts  # the model agrees with itself
+        fields = {"temperature": 0.9, "seed": 5, "ignore_eos": True}
+        assert drafted.complete(prompts[3], 40, **fields) == drafted.complete(
+            prompts[3], 40, disable_speculation=True, **fields
+        )
+    finally:
+        s.stop()

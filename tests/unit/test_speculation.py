@@ -241,3 +241,61 @@ def test_seeded_sampling_with_drafts_makes_the_same_tokens(loaded: LoadedModel) 
         ModelRunner(loaded, 64, 8, 256, SpeculationConfig("ngram", K)), prompt, sampling, 40
     )
     assert drafted == plain
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A different random model with the same tokenizer: its drafts mostly miss."""
+    from tests.support.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("other"), seed=1, hidden_size=32)
+    return load_model(str(path), "safetensors", "", torch.device("cpu"), torch.float32, False)
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_a_draft_model_changes_no_token(
+    loaded: LoadedModel, other: LoadedModel, tiny_model_dir: Path, which: str
+) -> None:
+    """The same model as its own draft (every draft holds), and a different one (most miss):
+    greedy equals transformers, seeded sampling equals the run without drafts."""
+    draft = loaded if which == "same" else other
+    spec = SpeculationConfig("draft", K)
+    prompt = [7, 8, 9, 10, 11, 3, 5, 8, 13, 21]
+    runner = ModelRunner(loaded, 64, 8, 256, spec, draft=draft)
+    steps: list[StepResult] = []
+    original = runner.step
+
+    def counting(plan: StepPlan) -> StepResult:
+        steps.append(original(plan))
+        return steps[-1]
+
+    runner.step = counting  # type: ignore[method-assign]
+    assert _decode(runner, prompt, Sampling(0.0), 40) == reference.greedy(
+        tiny_model_dir, prompt, 40
+    )
+    drafts = sum(s.num_draft_tokens for s in steps)
+    accepted = sum(s.num_accepted_tokens for s in steps)
+    assert drafts > 0
+    if which == "same":
+        assert accepted == drafts and len(steps) <= 40 // (K + 1) + 2
+    sampling = Sampling(temperature=0.8, seed=77)
+    plain = _decode(ModelRunner(loaded, 64, 8, 256), prompt, sampling, 40)
+    assert _decode(runner, prompt, sampling, 40) == plain
+
+
+def test_worker_flags_name_what_is_wrong() -> None:
+    from worker.config import WorkerConfig
+
+    with pytest.raises(ValueError, match="speculative"):
+        WorkerConfig(speculative="medusa")
+    with pytest.raises(ValueError, match="draft_model"):
+        WorkerConfig(speculative="draft")
+    with pytest.raises(ValueError, match="draft_model"):
+        WorkerConfig(speculative="ngram", draft_model="tiny")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        WorkerConfig(speculative="ngram", num_speculative_tokens=17)
+    with pytest.raises(ValueError, match="dtype"):
+        WorkerConfig(
+            speculative="draft", draft_model="tiny", draft_quantization="int4", dtype="float32"
+        )
+    assert WorkerConfig(speculative="draft", draft_model="m:v1").draft_model == "m:v1"
