@@ -52,6 +52,7 @@ def _worker_json(w: scheduler_pb2.WorkerStats) -> dict[str, Any]:
         "num_steps": w.num_steps,
         "num_preemptions": w.num_preemptions,
         "prefix_cache_hit_rate": round(w.prefix_cache_hit_rate, 4),
+        "speculative": {"draft_tokens": w.num_draft_tokens, "accepted": w.num_accepted_tokens},
         "blocks": {
             "total": w.num_total_blocks,
             "free": w.num_free_blocks,
@@ -119,7 +120,9 @@ function renderWorker(w) {
       ["last batch", w.last_batch_size], ["steps", w.num_steps],
       ["preemptions", w.num_preemptions],
       ["KV used", (b.total - b.free) + "/" + b.total], ["cached", b.cached],
-      ["prefix hit rate", (100 * w.prefix_cache_hit_rate).toFixed(1) + "%"]]) {
+      ["prefix hit rate", (100 * w.prefix_cache_hit_rate).toFixed(1) + "%"],
+      ["drafts accepted", w.speculative.draft_tokens ? (100 * w.speculative.accepted /
+        w.speculative.draft_tokens).toFixed(1) + "%" : "-"]]) {
     fig.appendChild(el("span", {"data-figure": name}, name + ": " + value));
   }
   box.appendChild(fig);

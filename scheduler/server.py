@@ -113,6 +113,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     num_preemptions=core.num_preemptions,
                     num_cached_blocks=core.pool.num_cached,
                     prefix_cache_hit_rate=core.prefix_cache_hit_rate,
+                    num_draft_tokens=core.speculation.num_draft_tokens,
+                    num_accepted_tokens=core.speculation.num_accepted_tokens,
                     block_map=core.pool.state_map(),
                     running=[
                         scheduler_pb2.RunningSequence(

@@ -25,6 +25,7 @@ from canteen.bench.capacity import (
 from canteen.bench.clients import Client, Target, open_client
 from canteen.bench.report import format_run, format_sweep, report_to_dict, runs_from_dict
 from canteen.bench.runner import BenchRun, Concurrency, Limits, Mode, Rate, run_with
+from canteen.bench.server_stats import Speculation, read_speculation
 from canteen.bench.stats import Slo
 from canteen.bench.workload import (
     DatasetError,
@@ -37,7 +38,7 @@ from canteen.bench.workload import (
 
 COMMANDS = ("bench", "capacity")
 _CALIBRATION_WORDS = 256
-_SECRET_ARGS = {"api_key"}
+_SECRET_ARGS = {"api_key", "admin_key"}
 
 
 class BenchError(Exception):
@@ -67,6 +68,13 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("CANTEEN_API_KEY", ""))
     g.add_argument("--model", default="", help="model name or alias (default: the default)")
     g.add_argument("--request-timeout", type=float, default=None, help="seconds per request")
+    g.add_argument(
+        "--status-url",
+        default=None,
+        help="the gateway's /status.json, read before and after each run for what the service "
+        "counted (speculative acceptance); default: URL/status.json with --protocol http",
+    )
+    g.add_argument("--admin-key", default=os.environ.get("CANTEEN_ADMIN_KEY", ""))
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -166,9 +174,34 @@ async def _workload(args: argparse.Namespace, client: Client) -> Workload:
 async def _execute(
     args: argparse.Namespace, target: Target, modes: list[Mode], limits: Limits
 ) -> list[BenchRun]:
+    status = _status_url(args)
     async with open_client(target) as client:
         workload = await _workload(args, client)
-        return [await run_with(client, workload, mode, limits) for mode in modes]
+        runs = []
+        for mode in modes:
+            before = await _speculation(status, args)
+            run = await run_with(client, workload, mode, limits)
+            after = await _speculation(status, args)
+            if before is not None and after is not None:
+                run = dataclasses.replace(run, speculation=after - before)
+            runs.append(run)
+        return runs
+
+
+def _status_url(args: argparse.Namespace) -> str:
+    if args.status_url is not None:
+        return str(args.status_url)
+    return f"{args.url.rstrip('/')}/status.json" if args.protocol == "http" else ""
+
+
+async def _speculation(url: str, args: argparse.Namespace) -> Speculation | None:
+    if not url:
+        return None
+    try:
+        return await read_speculation(url, args.admin_key)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        print(f"canteen bench: cannot read {url}: {exc}", file=sys.stderr)
+        return None
 
 
 def _modes(args: argparse.Namespace) -> list[Mode]:

@@ -31,6 +31,12 @@ def run_to_dict(run: BenchRun) -> dict[str, Any]:
         **_mode_dict(run.mode),
         "slo": dataclasses.asdict(run.slo),
         "summary": dataclasses.asdict(run.summary),
+        "speculation": None
+        if run.speculation is None
+        else {
+            **dataclasses.asdict(run.speculation),
+            "acceptance_rate": run.speculation.acceptance_rate,
+        },
         "records": [_record_dict(r) for r in run.records],
     }
 
@@ -111,6 +117,10 @@ def format_run(run: BenchRun) -> str:
         rows.append(("First error", f"{first.error}: {first.detail}"[:60]))
     if s.goodput is not None:
         rows.append((f"Goodput (req/s, {_goodput_label(run.slo)})", f"{s.goodput:.2f}"))
+    if run.speculation is not None:
+        rate = run.speculation.acceptance_rate
+        shown = "-" if rate is None else f"{100 * rate:.1f}%"
+        rows.append(("Draft tokens / accepted", f"{run.speculation.draft_tokens} / {shown}"))
     title = f" {run.mode.label} "
     lines = [f"{title:=^54}"]
     lines += [f"{k + ':':<40}{v:>14}" for k, v in rows]

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from canteen.bench.clients import Client, Target, open_client
 from canteen.bench.records import RequestRecord, RequestSpec
+from canteen.bench.server_stats import Speculation
 from canteen.bench.stats import RunSummary, Slo, summarize
 from canteen.bench.workload import Workload
 
@@ -87,6 +88,7 @@ class BenchRun:
     duration: float
     slo: Slo
     summary: RunSummary
+    speculation: Speculation | None = None  # what the service counted (--status-url)
 
     @property
     def concurrency(self) -> int | None:

@@ -180,6 +180,8 @@ class WorkerStats(_message.Message):
     BLOCK_MAP_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
     LAST_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id."""
     address: _builtins.str
@@ -212,6 +214,10 @@ class WorkerStats(_message.Message):
     """
     last_batch_size: _builtins.int
     """Sequences in the last step sent to this worker."""
+    num_draft_tokens: _builtins.int
+    """Draft tokens verified so far (speculative decoding)."""
+    num_accepted_tokens: _builtins.int
+    """Of those, the ones accepted."""
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningSequence]:
         """The running batch, in admission order."""
@@ -235,10 +241,12 @@ class WorkerStats(_message.Message):
         block_map: _builtins.str = ...,
         running: _abc.Iterable[Global___RunningSequence] | None = ...,
         last_batch_size: _builtins.int = ...,
+        num_draft_tokens: _builtins.int = ...,
+        num_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_map", b"block_map", "is_ready", b"is_ready", "last_batch_size", b"last_batch_size", "model", b"model", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_map", b"block_map", "is_ready", b"is_ready", "last_batch_size", b"last_batch_size", "model", b"model", "num_accepted_tokens", b"num_accepted_tokens", "num_cached_blocks", b"num_cached_blocks", "num_draft_tokens", b"num_draft_tokens", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

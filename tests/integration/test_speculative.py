@@ -7,6 +7,7 @@ prompts repeat themselves (so drafts are found and accepted).
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import urllib.request
 from collections.abc import Iterator
@@ -178,3 +179,23 @@ def test_a_draft_model_worker_streams_exactly(tiny_model_dir: Path, tmp_path: Pa
         )
     finally:
         s.stop()
+
+
+def test_canteen_bench_reports_the_acceptance_rate(spec: Spec, tmp_path: Path) -> None:
+    from tests.integration.test_bench import canteen
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": p, "max_tokens": 24}) + "\n" for p in _prompts(4))
+    )
+    report = tmp_path / "report.json"
+    done = canteen(
+        "bench", "--protocol", "http", "--url", spec.gateway.http_url, "--dataset", "jsonl",
+        "--path", str(prompts), "--num-requests", "4", "--concurrency", "2", "--no-progress",
+        "--json", str(report),
+    )  # fmt: skip
+    assert "Draft tokens / accepted" in done.stdout, done.stdout
+    (run,) = json.loads(report.read_text())["runs"]
+    figures = run["speculation"]
+    assert figures["draft_tokens"] > 0
+    assert figures["acceptance_rate"] == figures["accepted_tokens"] / figures["draft_tokens"]
