@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from tests.support import reference
-from worker.loader import LoadedModel, load_model
 from worker.batch import group_decodes
+from worker.loader import LoadedModel, load_model
 from worker.runner import ModelRunner
 
 BLOCK = 8
