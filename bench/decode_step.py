@@ -3,8 +3,11 @@
 Loads SmolLM2 once per configuration ("transformers" is the forward before Canteen's own:
 transformers' modules with the paged AttentionInterface) and times ``ModelRunner.step`` on
 pure decode steps at each batch size, alternating the order of configurations every round
-and reporting the rounds in the order they ran. Beside each figure: the weight-read floor,
-the bytes of weights one step reads over the machine's measured read bandwidth.
+and reporting the rounds in the order they ran. Beside each figure, two floors: the
+weight-read floor (the bytes of weights one step reads over the machine's measured read
+bandwidth) and the compute floor (2 x the linears' parameters x the step's tokens over the
+FLOP/s the configuration's own linear kernel reaches on a compute-bound GEMM of the model's
+gate-up shape at 256 rows). The larger of the two is the one that binds.
 
 It also decodes the bench prompts greedily with every configuration and reports how many
 tokens match the float32 transformers forward before the first difference.
@@ -20,6 +23,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,6 +33,7 @@ from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from worker.loader import LoadedModel, load_model
 from worker.model import FastModel
+from worker.quant import make_linear
 from worker.runner import ModelRunner
 
 BLOCK = 16
@@ -49,6 +54,8 @@ class Setup:
     loaded: LoadedModel
     runner: ModelRunner
     weight_bytes: int
+    params: int  # weights of every linear, lm_head included: 2 x params FLOPs per token
+    flops: float = 0.0  # FLOP/s of this setup's linear kernel (matmul_flops), set in main
 
 
 def cpu_model() -> str:
@@ -67,6 +74,35 @@ def read_bandwidth() -> float:
         buf.sum()
         best = min(best, time.perf_counter() - start)
     return buf.nbytes / best
+
+
+def linear_params(config: Any) -> int:
+    """Weights of the linears one token goes through (attention's own FLOPs are small here)."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    per_layer = attention + 3 * hidden * inter
+    return int(per_layer * config.num_hidden_layers + hidden * config.vocab_size)
+
+
+def matmul_flops(
+    dtype: torch.dtype, quantization: str, shape: tuple[int, int], rows: int = 256
+) -> float:
+    """FLOP/s of the worker's own linear (worker/quant.py) for ``dtype`` and ``quantization``
+    on a [rows, in] x [in, out] GEMM: the best of 30 (the machine is shared), weights and
+    activations in cache."""
+    fan_in, fan_out = shape
+    linear = make_linear(torch.randn(fan_out, fan_in).to(dtype), None, quantization)
+    x = torch.randn(rows, fan_in).to(torch.bfloat16 if quantization != "none" else dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for i in range(33):
+            start = time.perf_counter()
+            linear(x)
+            if i >= 3:
+                best = min(best, time.perf_counter() - start)
+    return 2 * rows * fan_in * fan_out / best
 
 
 def _tensor_bytes(obj: object) -> int:
@@ -145,7 +181,7 @@ def setup(spec: str, path: Path, max_batch: int, room: int) -> Setup:
         forward=forward,
     )
     runner = ModelRunner(loaded, max_batch * -(-(PROMPT + room) // BLOCK), BLOCK, 2048)
-    return Setup(spec, loaded, runner, weight_bytes(loaded))
+    return Setup(spec, loaded, runner, weight_bytes(loaded), linear_params(loaded.model.config))
 
 
 def agreement(setups: list[Setup], batch: list[list[int]], tokens: int) -> None:
@@ -195,6 +231,11 @@ def main() -> None:
     setups = [setup(spec, path, max(batches), room) for spec in args.configs.split(",")]
     bandwidth = read_bandwidth()
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for s in setups:
+        config = s.loaded.model.config
+        shape = (config.hidden_size, 2 * config.intermediate_size)
+        s.flops = matmul_flops(s.loaded.dtype, s.loaded.quantization, shape)
+        print(f"  {s.name:28s} linear kernel {s.flops / 1e9:6.0f} GFLOP/s at 256 rows")
     all_prompts = prompts(path, max(batches) * (args.rounds + 1))
     agreement(setups, all_prompts[: max(batches)], args.agree_tokens)
     print("\nms per decode step (min, median of --steps), rounds in the order they ran:")
@@ -210,12 +251,13 @@ def main() -> None:
                 start(s.runner, work, room)
                 decode(s.runner, batch)  # warm
                 times = sorted(decode(s.runner, batch)[0] for _ in range(args.steps))
-                floor = s.weight_bytes / bandwidth * 1e3
+                read_floor = s.weight_bytes / bandwidth * 1e3
+                compute_floor = 2 * s.params * batch / s.flops * 1e3
                 median = times[len(times) // 2]
                 print(
                     f"  batch {batch:2d} round {rnd} {s.name:28s} {times[0]:7.1f} {median:7.1f}"
-                    f"  (floor "
-                    f"{floor:5.1f} ms, weights {s.weight_bytes / 2**20:.0f} MiB)",
+                    f"  (floors: read {read_floor:5.1f} ms, compute {compute_floor:5.1f} ms; "
+                    f"weights {s.weight_bytes / 2**20:.0f} MiB)",
                     flush=True,
                 )
 

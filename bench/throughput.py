@@ -10,9 +10,10 @@ M new tokens per stream, ignore_eos):
 
 for each N in --streams, plus one stream through the suite (its time per output token
 against the weight-read floor: the weights' bytes over the machine's measured read
-bandwidth). Every side is warmed first; each round alternates the order of the sides and
-uses prompts no earlier round used, so no prefix cache helps one side only. Rounds are
-reported in the order they ran.
+bandwidth), and the compute floor of a step of N tokens (2 x the linears' parameters x N
+over the FLOP/s the worker's linear kernel reaches on a compute-bound GEMM). Every side is
+warmed first; each round alternates the order of the sides and uses prompts no earlier round
+used, so no prefix cache helps one side only. Rounds are reported in the order they ran.
 
 Usage: python bench/throughput.py [--streams 16,32] [--tokens 64] [--rounds 2] [--json out]
 """
@@ -35,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_step import cpu_model, read_bandwidth, weight_bytes
+from bench.decode_step import cpu_model, linear_params, matmul_flops, read_bandwidth, weight_bytes
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -215,11 +216,22 @@ def main() -> None:
             )
             hf = AutoModelForCausalLM.from_pretrained(
                 str(path.parent), gguf_file=path.name, dtype=dtype
-            ).eval()
+            ).eval()  # type: ignore[no-untyped-call]
             bandwidth = read_bandwidth()
             floor_ms = weight_bytes(loaded) / bandwidth * 1e3
+            config = loaded.model.config
+            shape = (config.hidden_size, 2 * config.intermediate_size)
+            flops = matmul_flops(dtype, quantization, shape)
+            # A decode step of N streams computes 2 x params x N FLOPs: at N streams the
+            # larger of the two floors binds.
+            compute_ms = {
+                n: round(2 * linear_params(config) * n / flops * 1e3, 1) for n in [1, *widths]
+            }
             report.update(
-                read_bandwidth_gb_s=round(bandwidth / 1e9, 1), floor_ms=round(floor_ms, 1)
+                read_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+                floor_ms=round(floor_ms, 1),
+                linear_gflop_s=round(flops / 1e9),
+                compute_floor_ms=compute_ms,
             )
             print(json.dumps(report), flush=True)
             # warm every side
