@@ -97,11 +97,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._is_running = False  # a Run stream is open
         self._labels: dict[str, str] = {}  # seq id -> the client's label, for logs
 
-    async def run_step(self, plan: StepPlan) -> StepResult:
-        assert self.runner is not None
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._engine, self.runner.step, plan)
-
     async def GetInfo(
         self, request: worker_pb2.GetInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
@@ -149,15 +144,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 "this worker already serves a Run stream; one scheduler drives a worker",
             )
         self._is_running = True
-        self.runner.reset()
+        runner = self.runner
+        # On the engine, after any step a closed stream left queued there.
+        await asyncio.get_running_loop().run_in_executor(self._engine, runner.reset)
         self.idle.clear()
         log.info("run stream opened", peer=context.peer())
         try:
-            async for msg in request_iterator:
-                plan = plan_from_pb(msg)
-                self._log_plan(plan)
-                self._spans.on_plan(plan)
-                result = await self.run_step(plan)
+            async for plan, result in self._steps(request_iterator):
                 for failure in result.failed:
                     label = self._labels.pop(failure.seq_id, "")
                     log.error(
@@ -175,12 +168,42 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 else:
                     self.idle.clear()
         finally:
-            self.runner.reset()
+            self._engine.submit(runner.reset)  # runs after the steps already queued
             self._labels.clear()
             self._is_running = False
             self._spans.end_all()
             self.idle.set()
             log.info("run stream closed")
+
+    async def _steps(
+        self, request_iterator: AsyncIterator[worker_pb2.StepPlan]
+    ) -> AsyncIterator[tuple[StepPlan, StepResult]]:
+        """Each plan goes to the engine as soon as it arrives; results come back in order.
+        The engine runs its queue one call at a time, so with the scheduler's next plan
+        already queued (--pipeline-depth) the main thread goes from one forward straight
+        to the next instead of waiting for this loop to send a result and read a plan."""
+        assert self.runner is not None
+        runner, loop = self.runner, asyncio.get_running_loop()
+        queued: asyncio.Queue[tuple[StepPlan, asyncio.Future[StepResult]] | None]
+        queued = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for msg in request_iterator:
+                    plan = plan_from_pb(msg)
+                    self._log_plan(plan)
+                    self._spans.on_plan(plan)
+                    queued.put_nowait((plan, loop.run_in_executor(self._engine, runner.step, plan)))
+            finally:
+                queued.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (item := await queued.get()) is not None:
+                yield item[0], await item[1]
+            await reader  # the stream's own error, if it ended with one
+        finally:
+            reader.cancel()
 
     def _log_plan(self, plan: StepPlan) -> None:
         for new in plan.new_sequences:
