@@ -140,9 +140,7 @@ def build_runner(
         num_blocks=config.num_kv_blocks,
     )
     speculation = SpeculationConfig(config.speculative, config.num_speculative_tokens)
-    runner = ModelRunner(
-        loaded, size.num_blocks, bs, config.max_batched_tokens, speculation, draft
-    )
+    runner = ModelRunner(loaded, size.num_blocks, bs, config.max_batched_tokens, speculation, draft)
     warm_up(runner, min(bs * 2, size.num_blocks * bs - 1))
     return runner, size
 
