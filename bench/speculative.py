@@ -11,7 +11,7 @@ Rounds alternate which side goes first and are reported in the order they ran, w
 acceptance rate the scheduler measured over the drafting side's requests.
 
 Usage: python bench/speculative.py [--rounds 3] [--tokens 96] [--streams 16]
-       [--worker-arg=--quantization=int4 ...] [--json out.json]
+       [--speculative ngram|draft-int4] [--worker-arg=... ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import cpu_model
 from bench.throughput import QUESTIONS
+from canteen.models import DEFAULT_MODEL_NAME
 from canteen.v1 import inference_pb2, inference_pb2_grpc
 from tests.support.suite import default_model_stack
 
@@ -119,11 +120,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--speculative",
+        choices=("ngram", "draft-int4"),
+        default="ngram",
+        help="draft-int4: the served model at --quantization int4 as the draft model",
+    )
     parser.add_argument("--worker-arg", action="append", default=[])
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    drafts = (
+        ["--speculative", "ngram"]
+        if args.speculative == "ngram"
+        else ["--speculative", "draft", "--draft-model", DEFAULT_MODEL_NAME,
+              "--draft-quantization", "int4"]
+    )  # fmt: skip
     worker_args = [
-        "--kv-cache-memory", "512MiB", "--dtype", "auto", "--speculative", "ngram",
+        "--kv-cache-memory", "512MiB", "--dtype", "auto", *drafts,
         "--num-speculative-tokens", str(args.num_speculative_tokens), *args.worker_arg,
     ]  # fmt: skip
     cases = {"edit": 1, "open": 1, "busy": args.streams}

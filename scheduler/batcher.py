@@ -208,7 +208,12 @@ class BatchScheduler:
         if self.cost is not None:
             self.cost.observe(computed, seconds)
         self.speculation.observe(
-            computed, seconds, result.num_draft_tokens, result.num_accepted_tokens
+            len(plan.scheduled) if plan.kind == "decode" else 0,
+            any(s.num_draft_tokens for s in plan.scheduled),
+            len(result.tokens),
+            seconds,
+            result.num_draft_tokens,
+            result.num_accepted_tokens,
         )
 
     def _run(

@@ -1,55 +1,65 @@
-"""When draft tokens pay: a rule learned from the worker's own steps.
+"""When draft tokens pay: a rule learned from the worker's own decode steps.
 
-A step's time is close to linear in the tokens it computes, ``t(n) = a + b * n``
-(scheduler/cost.py fits it from every result). A decode step of ``n`` sequences makes ``n``
-tokens in ``a + b * n`` seconds; one more verified draft token costs ``b`` and, when accepted
-(probability ``alpha``, learned from results), saves a token's share of a step,
-``(a + b * n) / n``. So drafts pay while
-
-    alpha * (a / n + b) > b,   that is   n < alpha * a / ((1 - alpha) * b)
-
-With few sequences the fixed cost ``a`` (reading every weight once) dominates and drafts
-are nearly free; as the batch grows the rule turns them off, and back on as it shrinks.
-Until the line is known, drafts are tried on small batches only.
+Whether verifying drafts speeds a step up depends on the batch (a step's fixed cost, reading
+every weight once, dominates a small batch and hides the extra tokens; a big batch is
+compute-bound and pays for each), on how often drafts hold, and on what proposing costs (free
+for n-gram lookup, several forwards of a draft model). So the rule measures the one figure
+that matters: tokens made per second of decode-only steps, with and without drafts, per batch
+size (in powers of two). Each step takes the better of the two for its batch size; an arm not
+yet measured is tried first, and every ``EXPLORE_EVERY``-th step of a batch size tries the
+other one, so the rule follows the load and the text: drafts turn off as the batch grows
+past where they pay and back on as it shrinks.
 """
 
 from __future__ import annotations
 
-from scheduler.cost import StepCostModel
+from dataclasses import dataclass, field
 
-PRIOR_ACCEPTANCE = 0.5  # until results say otherwise
-ACCEPTANCE_DECAY = 0.95  # weight kept per step that verified drafts
-SMALL_BATCH = 4  # drafts are tried up to this batch while the step-time line is unknown
+EXPLORE_EVERY = 16  # steps of a batch size between tries of the arm that looks worse
+RATE_DECAY = 0.8  # weight an arm's estimate keeps per new measurement of it
+
+
+@dataclass
+class _Bucket:
+    rate: dict[bool, float] = field(default_factory=dict)  # drafts on/off -> tokens/s
+    steps: int = 0
 
 
 class SpeculationPolicy:
     def __init__(self, num_tokens: int) -> None:
         self.num_tokens = num_tokens  # the worker's most drafts per sequence; 0: off
-        self.cost = StepCostModel(max_stall=1.0, min_chunk=1)
-        self.acceptance = PRIOR_ACCEPTANCE
         self.num_draft_tokens = 0  # verified, in total
         self.num_accepted_tokens = 0
+        self._buckets: dict[int, _Bucket] = {}
 
-    def observe(self, num_tokens: int, seconds: float, drafts: int, accepted: int) -> None:
-        """One step's result: tokens computed (drafts included), its time, and its drafts."""
-        self.cost.observe(num_tokens, seconds)
-        if drafts:
-            rate = accepted / drafts
-            d = ACCEPTANCE_DECAY
-            self.acceptance = self.acceptance * d + rate * (1 - d)
-            self.num_draft_tokens += drafts
-            self.num_accepted_tokens += accepted
+    def observe(
+        self, num_decodes: int, drafted: bool, made: int, seconds: float, drafts: int, accepted: int
+    ) -> None:
+        """A decode-only step of ``num_decodes`` sequences (0 for any other step): whether it
+        verified drafts, the tokens it made and its time, and its draft counts."""
+        self.num_draft_tokens += drafts
+        self.num_accepted_tokens += accepted
+        if num_decodes <= 0 or seconds <= 0 or self.num_tokens == 0:
+            return
+        bucket = self._buckets.setdefault(num_decodes.bit_length(), _Bucket())
+        rate = made / seconds
+        old = bucket.rate.get(drafted)
+        bucket.rate[drafted] = rate if old is None else old * RATE_DECAY + rate * (1 - RATE_DECAY)
 
     def drafts_for(self, num_decodes: int) -> int:
         """Draft tokens each decoding sequence may verify in a step of ``num_decodes``."""
         if self.num_tokens == 0 or num_decodes == 0:
             return 0
-        fitted = self.cost.fit()
-        if fitted is None:
-            return self.num_tokens if num_decodes <= SMALL_BATCH else 0
-        a, b = fitted
-        alpha = min(self.acceptance, 0.99)
-        return self.num_tokens if num_decodes * (1 - alpha) * b < alpha * a else 0
+        bucket = self._buckets.setdefault(num_decodes.bit_length(), _Bucket())
+        bucket.steps += 1
+        on, off = bucket.rate.get(True), bucket.rate.get(False)
+        if on is None or off is None:
+            use = on is None  # measure the arm not seen yet
+        else:
+            use = on >= off
+            if bucket.steps % EXPLORE_EVERY == 0:
+                use = not use
+        return self.num_tokens if use else 0
 
     @property
     def acceptance_rate(self) -> float:

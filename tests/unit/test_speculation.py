@@ -162,14 +162,29 @@ def test_rejected_drafts_never_leak_a_block(
     assert sched.pool.num_free == num_blocks and not sched.running
 
 
+def _simulate(policy: SpeculationPolicy, n: int, steps: int, draft_cost: float) -> float:
+    """Decode steps of ``n`` sequences on a worker whose step costs 20 ms + 1.5 ms a token
+    (+ ``draft_cost`` when drafting) and where half the drafts hold; returns the share of
+    steps that drafted."""
+    drafted = 0
+    for _ in range(steps):
+        k = policy.drafts_for(n)
+        made = n + n * k // 2
+        seconds = 0.020 + 0.0015 * (n + n * k) + (draft_cost if k else 0.0)
+        policy.observe(n, k > 0, made, seconds, n * k, n * k // 2)
+        drafted += k > 0
+    return drafted / steps
+
+
 def test_the_rule_turns_drafts_off_for_big_batches_and_on_again() -> None:
     policy = SpeculationPolicy(K)
-    for n in range(1, 60):  # a step costs 20 ms plus 1 ms a token
-        policy.observe(n, 0.020 + 0.001 * n, drafts=n, accepted=n // 2)
-    assert policy.acceptance == pytest.approx(0.5, abs=0.05)
-    # drafts pay while n < alpha * a / ((1 - alpha) * b) = 0.5 * 20 / 0.5 = 20
-    assert policy.drafts_for(4) == K and policy.drafts_for(16) == K
-    assert policy.drafts_for(24) == 0 and policy.drafts_for(2) == K
+    # n=2: 2 tokens in 23 ms, or 6 in 35 ms: drafts pay; n=32: 32 in 68 ms, or 96 in 260 ms
+    assert _simulate(policy, 2, 64, 0.0) > 0.9
+    assert _simulate(policy, 32, 64, 0.0) < 0.1
+    assert _simulate(policy, 2, 64, 0.0) > 0.9  # the batch shrank: back on
+    # a draft model that costs 60 ms a step never pays, whatever the batch
+    costly = SpeculationPolicy(K)
+    assert _simulate(costly, 1, 64, 0.060) < 0.1
     assert SpeculationPolicy(0).drafts_for(1) == 0
 
 
