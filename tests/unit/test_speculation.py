@@ -110,6 +110,7 @@ def test_no_plan_is_built_on_top_of_one_that_verifies_drafts() -> None:
     seq = make_seq("a", prompt_len=5, max_tokens=30)
     sched.add(seq)
     sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]  # the prefill
+    sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]  # measured without
     plan = sched.schedule()
     assert plan is not None and plan.scheduled[0].num_draft_tokens == K
     assert sched.schedule() is None  # its token count is unknown until it returns
