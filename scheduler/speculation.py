@@ -6,11 +6,12 @@ compute-bound and pays for each), on how often drafts hold, and on what proposin
 for n-gram lookup, several forwards of a draft model). So the rule measures the one figure
 that matters: tokens made per second of decode-only steps, with and without drafts, per batch
 size (in powers of two). Each step takes the better of the two for its batch size. Both arms
-are measured once first (without drafts first: trying drafts costs a draft model its
-catch-up on every sequence), then the worse one is tried again after ``EXPLORE_EVERY``
-steps, and after twice as many each time that try confirms it is worse (up to
-``MAX_EXPLORE_EVERY``), so the rule follows the load and the text at little cost: drafts turn
-off as the batch grows past where they pay and back on as it shrinks.
+are first measured (without drafts first), then the worse one is tried again for a few steps
+after ``EXPLORE_EVERY`` steps, and after twice as many each time it loses again (up to
+``MAX_EXPLORE_EVERY``). The first step after a switch is not measured: turning drafts on
+costs a draft model its catch-up on every sequence, once, not per step. So the rule follows
+the load and the text at little cost: drafts turn off as the batch grows past where they pay
+and back on as it shrinks.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dataclasses import dataclass, field
 
 EXPLORE_EVERY = 16  # steps of a batch size before the arm that looks worse is tried again
 MAX_EXPLORE_EVERY = 512
-RATE_DECAY = 0.8  # weight an arm's estimate keeps per new measurement of it
+TRY_STEPS = 4  # steps in a row of a tried arm (the first, the switch, is not measured)
+RATE_DECAY = 0.7  # weight an arm's estimate keeps per new measurement of it
 
 
 @dataclass
@@ -27,7 +29,23 @@ class _Bucket:
     rate: dict[bool, float] = field(default_factory=dict)  # drafts on/off -> tokens/s
     steps: int = 0  # since the last try of the worse arm
     explore_every: int = EXPLORE_EVERY
-    exploring: bool | None = None  # the arm being tried, until its result comes back
+    trying: bool | None = None  # the arm being tried, for ``left`` more steps
+    left: int = 0
+    last: bool | None = None  # the arm of the last measured step
+
+    def start_try(self, arm: bool) -> bool:
+        self.trying, self.left, self.steps = arm, TRY_STEPS - 1, 0
+        return arm
+
+    def judge_try(self) -> None:
+        """The try is over: retry sooner if the tried arm won, later if it lost again."""
+        arm, self.trying = self.trying, None
+        if arm is None or None in (self.rate.get(True), self.rate.get(False)):
+            return
+        lost = self.rate[arm] < self.rate[not arm]
+        self.explore_every = (
+            min(self.explore_every * 2, MAX_EXPLORE_EVERY) if lost else EXPLORE_EVERY
+        )
 
 
 class SpeculationPolicy:
@@ -47,34 +65,36 @@ class SpeculationPolicy:
         if num_decodes <= 0 or seconds <= 0 or self.num_tokens == 0:
             return
         bucket = self._buckets.setdefault(num_decodes.bit_length(), _Bucket())
+        switched, bucket.last = bucket.last is not None and bucket.last != drafted, drafted
+        if switched:
+            return  # a switch's cost (a draft model's catch-up) is not the arm's
         rate = made / seconds
         old = bucket.rate.get(drafted)
         bucket.rate[drafted] = rate if old is None else old * RATE_DECAY + rate * (1 - RATE_DECAY)
-        if bucket.exploring is not None and bucket.exploring == drafted:
-            still_worse = bucket.rate[drafted] < bucket.rate.get(not drafted, 0.0)
-            grown = min(bucket.explore_every * 2, MAX_EXPLORE_EVERY)
-            bucket.explore_every = grown if still_worse else EXPLORE_EVERY
-            bucket.exploring = None
 
     def drafts_for(self, num_decodes: int) -> int:
         """Draft tokens each decoding sequence may verify in a step of ``num_decodes``."""
         if self.num_tokens == 0 or num_decodes == 0:
             return 0
+        return self.num_tokens if self._choose(num_decodes) else 0
+
+    def _choose(self, num_decodes: int) -> bool:
         bucket = self._buckets.setdefault(num_decodes.bit_length(), _Bucket())
+        if bucket.trying is not None:
+            if bucket.left > 0:
+                bucket.left -= 1
+                return bucket.trying
+            bucket.judge_try()
         on, off = bucket.rate.get(True), bucket.rate.get(False)
         if off is None:
-            use = False  # measure each arm once, the cheap one first
-        elif on is None:
-            use = True
-        else:
-            use = on >= off
-            bucket.steps += 1
-            if bucket.steps > 2 * bucket.explore_every:
-                bucket.exploring = None  # that try never came back as a decode-only step
-            if bucket.steps >= bucket.explore_every and bucket.exploring is None:
-                bucket.steps, bucket.exploring = 0, not use
-                use = not use
-        return self.num_tokens if use else 0
+            return bucket.start_try(False)  # measure each arm, the cheap one first
+        if on is None:
+            return bucket.start_try(True)
+        best = on >= off
+        bucket.steps += 1
+        if bucket.steps >= bucket.explore_every:
+            return bucket.start_try(not best)
+        return best
 
     @property
     def acceptance_rate(self) -> float:

@@ -6,6 +6,7 @@ prompts repeat themselves (so drafts are found and accepted).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import signal
@@ -182,20 +183,28 @@ def test_a_draft_model_worker_streams_exactly(tiny_model_dir: Path, tmp_path: Pa
 
 
 def test_canteen_bench_reports_the_acceptance_rate(spec: Spec, tmp_path: Path) -> None:
+    """The run's drafts and acceptance rate are what the service counted during it."""
+    from canteen.bench.server_stats import read_speculation
     from tests.integration.test_bench import canteen
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"prompt": p, "max_tokens": 24}) + "\n" for p in _prompts(4))
-    )
+    lines = [json.dumps({"prompt": f"{REPEAT * 3} {i}", "max_tokens": 48}) for i in range(4)]
+    prompts.write_text("\n".join(lines) + "\n")
     report = tmp_path / "report.json"
+    status = f"{spec.gateway.http_url}/status.json"
+    before = asyncio.run(read_speculation(status))
     done = canteen(
         "bench", "--protocol", "http", "--url", spec.gateway.http_url, "--dataset", "jsonl",
-        "--path", str(prompts), "--num-requests", "4", "--concurrency", "2", "--no-progress",
+        "--path", str(prompts), "--num-requests", "4", "--concurrency", "1", "--no-progress",
         "--json", str(report),
     )  # fmt: skip
+    counted = asyncio.run(read_speculation(status)) - before
     assert "Draft tokens / accepted" in done.stdout, done.stdout
     (run,) = json.loads(report.read_text())["runs"]
     figures = run["speculation"]
-    assert figures["draft_tokens"] > 0
+    assert (figures["draft_tokens"], figures["accepted_tokens"]) == (
+        counted.draft_tokens,
+        counted.accepted_tokens,
+    )
+    assert figures["draft_tokens"] > 0  # a repeated text: drafts pay at one stream
     assert figures["acceptance_rate"] == figures["accepted_tokens"] / figures["draft_tokens"]

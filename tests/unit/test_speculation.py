@@ -100,7 +100,8 @@ def test_accepted_drafts_make_several_tokens_a_step_and_the_same_output() -> Non
     assert seq.finish is Finish.LENGTH
     assert seq.output_ids == expected_tokens(seq.prompt_ids, 21)
     decodes = [s for p in worker.plans for s in p.scheduled if s.num_draft_tokens]
-    assert decodes and len(worker.plans) < 10  # 1 prefill + 20 tokens at up to 5 a step
+    # 1 prefill, 4 steps measured without drafts, then up to 5 tokens a step
+    assert decodes and len(worker.plans) <= 10
     assert sched.pool.num_free == 64
     assert sched.speculation.num_accepted_tokens == worker.num_drafts
 
@@ -109,9 +110,10 @@ def test_no_plan_is_built_on_top_of_one_that_verifies_drafts() -> None:
     sched, worker = speculating(), DraftingWorker(64)
     seq = make_seq("a", prompt_len=5, max_tokens=30)
     sched.add(seq)
-    sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]  # the prefill
-    sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]  # measured without
     plan = sched.schedule()
+    while plan is not None and not plan.scheduled[0].num_draft_tokens:  # measured without
+        sched.update(worker.step(plan))
+        plan = sched.schedule()
     assert plan is not None and plan.scheduled[0].num_draft_tokens == K
     assert sched.schedule() is None  # its token count is unknown until it returns
 
@@ -180,12 +182,12 @@ def _simulate(policy: SpeculationPolicy, n: int, steps: int, draft_cost: float) 
 def test_the_rule_turns_drafts_off_for_big_batches_and_on_again() -> None:
     policy = SpeculationPolicy(K)
     # n=2: 2 tokens in 23 ms, or 6 in 35 ms: drafts pay; n=32: 32 in 68 ms, or 96 in 260 ms
-    assert _simulate(policy, 2, 64, 0.0) > 0.9
-    assert _simulate(policy, 32, 64, 0.0) < 0.1
-    assert _simulate(policy, 2, 64, 0.0) > 0.9  # the batch shrank: back on
+    assert _simulate(policy, 2, 128, 0.0) > 0.85  # after measuring both, a retry now and then
+    assert _simulate(policy, 32, 128, 0.0) < 0.15
+    assert _simulate(policy, 2, 128, 0.0) > 0.9  # the batch shrank: back on at once
     # a draft model that costs 60 ms a step never pays, whatever the batch
     costly = SpeculationPolicy(K)
-    assert _simulate(costly, 1, 64, 0.060) < 0.1
+    assert _simulate(costly, 1, 128, 0.060) < 0.15
     assert SpeculationPolicy(0).drafts_for(1) == 0
 
 
