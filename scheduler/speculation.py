@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 EXPLORE_EVERY = 16  # steps of a batch size before the arm that looks worse is tried again
 MAX_EXPLORE_EVERY = 512
-TRY_STEPS = 4  # steps in a row of a tried arm (the first, the switch, is not measured)
+TRY_STEPS = 3  # steps in a row of a tried arm (the first, the switch, is not measured)
 RATE_DECAY = 0.7  # weight an arm's estimate keeps per new measurement of it
 
 
