@@ -81,6 +81,17 @@ CANTEEN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "canteen_prefix_cache_hit_rate": ("scheduler", "gauge", ("model", "version", "worker")),
     "canteen_worker_ready": ("scheduler", "gauge", ("model", "version", "worker")),
     "canteen_preemptions_total": ("scheduler", "counter", ("model", "version", "worker")),
+    "canteen_speculative_draft_tokens_total": (
+        "scheduler",
+        "counter",
+        ("model", "version", "worker"),
+    ),
+    "canteen_speculative_accepted_tokens_total": (
+        "scheduler",
+        "counter",
+        ("model", "version", "worker"),
+    ),
+    "canteen_speculative_acceptance_rate": ("scheduler", "gauge", ("model", "version", "worker")),
     "canteen_scheduler_requests_total": ("scheduler", "counter", ("model", "version", "finish")),
     # worker
     "canteen_worker_step_duration_seconds": (
