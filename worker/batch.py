@@ -11,6 +11,21 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention import DecodeGroup, PagedBatch, PrefillSpan
+from worker.loader import LoadedModel
+
+
+def new_kv_pool(loaded: LoadedModel, num_blocks: int, block_size: int) -> torch.Tensor:
+    """A zeroed paged pool for ``loaded``: [layers, 2, blocks, block_size, kv_heads, D]."""
+    return torch.zeros(
+        loaded.num_layers,
+        2,
+        num_blocks,
+        block_size,
+        loaded.num_kv_heads,
+        loaded.head_dim,
+        dtype=loaded.dtype,
+        device=loaded.device,
+    )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.batch import BatchBuilder, Row
+from worker.batch import BatchBuilder, Row, new_kv_pool
 from worker.loader import LoadedModel
 
 
@@ -36,16 +36,7 @@ class DraftModel:
         max_group_blocks: int,
     ) -> None:
         self.loaded = loaded
-        self.kv_pool = torch.zeros(
-            loaded.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            loaded.num_kv_heads,
-            loaded.head_dim,
-            dtype=loaded.dtype,
-            device=loaded.device,
-        )
+        self.kv_pool = new_kv_pool(loaded, num_blocks, block_size)
         self.builder = BatchBuilder(
             self.kv_pool, block_size, max_batched_tokens, max_group_blocks, loaded.dtype
         )

@@ -22,7 +22,7 @@ from canteen.plan import (
     StepResult,
 )
 from worker.attention import PagedBatch
-from worker.batch import BatchBuilder, Row
+from worker.batch import BatchBuilder, Row, new_kv_pool
 from worker.constrain import Constraints, load_tokenizer
 from worker.draft import DraftModel, DraftRequest
 from worker.guard import BlockLedger, EntryError
@@ -62,16 +62,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_batched_tokens = max_batched_tokens
-        self.kv_pool = torch.zeros(
-            loaded.num_layers,
-            2,
-            num_blocks,
-            block_size,
-            loaded.num_kv_heads,
-            loaded.head_dim,
-            dtype=loaded.dtype,
-            device=loaded.device,
-        )
+        self.kv_pool = new_kv_pool(loaded, num_blocks, block_size)
         self.sequences: dict[str, SequenceState] = {}
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
