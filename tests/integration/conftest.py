@@ -27,14 +27,15 @@ class TinySuite:
         self.scheduler_stub = scheduler_pb2_grpc.SchedulerStub(self.sched_channel)
 
 
-@pytest.fixture(scope="session")
-def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinySuite]:
-    s = Suite(tmp_path_factory.mktemp("suite"))
+def start_tiny_suite(workdir: Path, model_dir: Path, num_kv_blocks: int) -> TinySuite:
+    """Registry, scheduler, one worker of the tiny model and a gateway; stop with
+    ``.suite.stop()``."""
+    s = Suite(workdir)
     try:
         registry = s.start_registry(
             "--no-register-default",
             "--add-model",
-            f"tiny:v1={tiny_model_dir}",
+            f"tiny:v1={model_dir}",
             "--default-model",
             "tiny",
         )
@@ -44,7 +45,7 @@ def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             registry,
             "tiny",
             "--num-kv-blocks",
-            str(NUM_KV_BLOCKS),
+            str(num_kv_blocks),
             "--block-size",
             str(BLOCK_SIZE),
             "--threads",
@@ -54,9 +55,18 @@ def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         gateway = s.start_gateway(registry, scheduler)
-        tiny = TinySuite(s, registry, scheduler, worker, gateway)
+    except BaseException:
+        s.stop()
+        raise
+    return TinySuite(s, registry, scheduler, worker, gateway)
+
+
+@pytest.fixture(scope="session")
+def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinySuite]:
+    tiny = start_tiny_suite(tmp_path_factory.mktemp("suite"), tiny_model_dir, NUM_KV_BLOCKS)
+    try:
         yield tiny
         tiny.channel.close()
         tiny.sched_channel.close()
     finally:
-        s.stop()
+        tiny.suite.stop()

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import pytest
 
 from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2
-from tests.integration.conftest import BLOCK_SIZE, NUM_KV_BLOCKS, TinySuite
+from tests.integration.conftest import BLOCK_SIZE, TinySuite, start_tiny_suite
 from tests.support import reference
 
 WORDS = ["king", "queen", "Paris", "Rome", "time", "land", "far", "away", "capital", "tokens"]
 NUM_REQUESTS, NUM_CANCELLED, MAX_TOKENS = 200, 50, 12
+# A pool of its own, small enough that arrivals outrun it on any machine (the shared
+# suite's 96 blocks filled only in the first half second, and on some runs not at all).
+NUM_KV_BLOCKS = 32
 SHARED = "Once upon a time, in a land far away, "
 
 
@@ -54,9 +59,23 @@ def _stats(suite: TinySuite) -> scheduler_pb2.WorkerStats:
     return worker
 
 
+@pytest.fixture(scope="module")
+def small_suite(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[TinySuite]:
+    tiny = start_tiny_suite(tmp_path_factory.mktemp("kv-pressure"), tiny_model_dir, NUM_KV_BLOCKS)
+    try:
+        yield tiny
+        tiny.channel.close()
+        tiny.sched_channel.close()
+    finally:
+        tiny.suite.stop()
+
+
 def test_five_times_the_pool_all_complete_exactly_and_every_block_comes_back(
-    suite: TinySuite, tiny_model_dir: Path
+    small_suite: TinySuite, tiny_model_dir: Path
 ) -> None:
+    suite = small_suite
     tok = reference.tokenizer(tiny_model_dir)
     prompt_ids = [
         tok(_prompt(i), add_special_tokens=False)["input_ids"] for i in range(NUM_REQUESTS)
