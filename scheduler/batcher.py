@@ -150,9 +150,10 @@ class BatchScheduler:
         grants: dict[str, int] = {}
         drafts = self.speculation.drafts_for(len(decoding))
         budget = self._run(decoding, budget, chosen, in_plan, grants, drafts)
-        if chosen and self.cost is not None:
-            budget = min(budget, self.cost.prefill_budget(len(chosen)))
         prefilling = [s for s in by_importance if not s.is_decoding_ahead]
+        if chosen and self.cost is not None:
+            waiting = len(prefilling) + len(self.waiting)
+            budget = min(budget, self.cost.prefill_budget(len(chosen), waiting))
         budget = self._run(prefilling, budget, chosen, in_plan)
         budget = self._admit(budget, chosen)
         drops, self._pending_drops = tuple(self._pending_drops), []

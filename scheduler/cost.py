@@ -7,6 +7,13 @@ along is sized so the step takes at most ``max_stall`` times a decode-only step;
 keeps a long prompt from freezing the streams already running (Sarathi-style chunking, but
 with the budget learned rather than configured).
 
+The bound weighs both sides of the trade: holding a prompt back spares each decoding stream
+a slower step, but costs each waiting stream a step of its time to first token. So when more
+streams wait for their first token than decode, the bound stretches by that ratio (TGI's
+``waiting_served_ratio`` makes the same trade): a burst of new requests next to one running
+stream is prefilled together instead of a chunk per step, while a single arrival next to a
+busy batch still takes its ``max_stall`` share.
+
 Noise must not turn into a stall: a line that does not rise is not trusted, and the budget
 at most doubles from one step to the next, so one bad fit costs one step of twice the
 chunk, never a whole prompt at once.
@@ -50,15 +57,18 @@ class StepCostModel:
             return None
         return max(mean_t - slope * mean_n, 0.0), slope
 
-    def prefill_budget(self, num_decodes: int) -> int:
-        """Prefill tokens a step with ``num_decodes`` decodes may add within the stall bound."""
+    def prefill_budget(self, num_decodes: int, num_waiting: int = 0) -> int:
+        """Prefill tokens a step with ``num_decodes`` decodes may add within the stall bound,
+        stretched by ``num_waiting / num_decodes`` when more streams wait for prefill."""
+        ratio = max(1.0, num_waiting / num_decodes) if num_decodes else 1.0
         fitted = self.fit()
         if fitted is None:
-            budget = self.min_chunk  # small probes until the line is known
+            budget = int(self.min_chunk * ratio)  # small probes until the line is known
         else:
             a, b = fitted
-            target = self.max_stall * (a + b * num_decodes)
+            target = self.max_stall * ratio * (a + b * num_decodes)
             budget = max(int((target - a) / b) - num_decodes, self.min_chunk)
-            budget = min(budget, 2 * self._last_budget)
-        self._last_budget = budget
+            budget = min(budget, int(2 * ratio * self._last_budget))
+        # Noise may at most double the budget of the last step, whatever the ratio was.
+        self._last_budget = max(int(budget / ratio), self.min_chunk)
         return budget

@@ -94,3 +94,42 @@ def test_a_long_prompt_never_stretches_a_decode_step_past_the_bound() -> None:
         sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
     assert long.output_ids == expected_tokens(long.prompt_ids, 4)
     assert streams[0].output_ids == expected_tokens(streams[0].prompt_ids, 200)
+
+
+def test_more_waiting_than_decoding_streams_stretches_the_bound_by_their_ratio() -> None:
+    model = StepCostModel(max_stall=2.0, min_chunk=16)
+    for n in [8, 8, 24, 8, 40, 8, 72, 8]:
+        model.observe(n, seconds(n))
+    assert model.prefill_budget(8, num_waiting=4) == 28  # fewer waiting: the plain bound
+    # One stream decoding, 15 waiting: 2 x 15 x (40 + 2) ms = 1,260 ms allows 610 tokens.
+    assert model.prefill_budget(1, num_waiting=15) == 609
+    # The next step with one waiting stream is back to the plain bound, not 15x of it:
+    # 2 x 42 ms = 84 ms allows 22 tokens, 21 beyond the decode.
+    assert model.prefill_budget(1, num_waiting=1) == 21
+
+
+def test_a_burst_next_to_one_running_stream_is_prefilled_in_one_step() -> None:
+    limits = BatchConfig(
+        max_batched_tokens=1024,
+        max_num_seqs=32,
+        max_step_stall=2.0,
+        min_prefill_chunk=8,
+        pipeline_depth=1,
+    )
+    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
+    worker = TimedWorker(400)
+    first = make_seq("first", prompt_len=64, max_tokens=100)
+    sched.add(first)
+    for _ in range(6):
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    burst = [make_seq(f"b{i}", prompt_len=40, max_tokens=8) for i in range(15)]
+    for s in burst:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan is not None
+    # Every prompt of the burst, whole, next to the running stream's decode.
+    assert scheduled(plan) == {"first": 1, **{s.request_id: 40 for s in burst}}
+    sched.update(worker.step(plan))
+    while sched.has_work:
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    assert [s.output_ids for s in burst] == [expected_tokens(s.prompt_ids, 8) for s in burst]
