@@ -24,6 +24,7 @@ from canteen.tls import Policy, Tls, aio_channel
 from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
+from worker.draft import can_share_kv
 from worker.engine import MainThreadExecutor
 from worker.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
 from worker.memory import (
@@ -123,6 +124,7 @@ def build_runner(
     baseline: Baseline,
     max_model_len: int,
     draft: LoadedModel | None = None,
+    draft_shares_kv: bool = False,
 ) -> tuple[ModelRunner, PoolSize]:
     """Warms up at the largest step on a scratch pool, then sizes the real pool from the peak."""
     step_tokens = max(min(config.max_batched_tokens, max_model_len - 1), 1)
@@ -133,14 +135,17 @@ def build_runner(
     size = size_pool(
         baseline,
         peak_bytes(loaded.device),
-        # a draft model keeps its own KV for the same block ids
-        kv_bytes_per_block(loaded, bs) + (kv_bytes_per_block(draft, bs) if draft else 0),
+        # a draft model keeps its own KV for the same block ids, unless it reads the target's
+        kv_bytes_per_block(loaded, bs)
+        + (kv_bytes_per_block(draft, bs) if draft and not draft_shares_kv else 0),
         memory_fraction=config.memory_fraction,
         kv_cache_bytes=config.kv_cache_bytes,
         num_blocks=config.num_kv_blocks,
     )
     speculation = SpeculationConfig(config.speculative, config.num_speculative_tokens)
-    runner = ModelRunner(loaded, size.num_blocks, bs, config.max_batched_tokens, speculation, draft)
+    runner = ModelRunner(
+        loaded, size.num_blocks, bs, config.max_batched_tokens, speculation, draft, draft_shares_kv
+    )
     warm_up(runner, min(bs * 2, size.num_blocks * bs - 1))
     return runner, size
 
@@ -205,14 +210,17 @@ async def load(
             dtype_reason=reason,
         ),
     )
-    draft = None
+    draft, shares_kv = None, False
     if draft_record is not None:
         draft = await loop.run_in_executor(
             engine, load_draft, config, draft_record, device, dtype, loaded
         )
+        same_weights = (draft_record.path, draft_record.sha256) == (record.path, record.sha256)
+        shares_kv = can_share_kv(loaded, draft, same_weights)
+        log.info("draft model", shares_target_kv=shares_kv, same_weights=same_weights)
     max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
     runner, size = await loop.run_in_executor(
-        engine, build_runner, loaded, config, baseline, max_model_len, draft
+        engine, build_runner, loaded, config, baseline, max_model_len, draft, shares_kv
     )
     servicer.runner, servicer.pool_size = runner, size
     servicer.eos_token_ids = loaded.eos_token_ids

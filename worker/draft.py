@@ -6,6 +6,14 @@ on the rest (a whole prompt the first time, after a preemption or a move), then 
 tokens greedily, one batched forward each. After verification only the KV of drafts that
 held stays counted; the next catch-up overwrites the rest. Drafts only choose what the
 target verifies, so a poor or stale draft costs speed, never a token.
+
+A draft that is the target's own weights at a lower precision (``--draft-model`` naming the
+served model with ``--draft-quantization int4``) computes nearly the target's keys and values,
+so it reads the target's pool instead of keeping one (``shared_pool``): it never catches up,
+and switching drafts on costs nothing. It computes only what the target has not (the last
+token; a prompt when drafts ride on its prefill) and its drafts, at positions the target's
+verifying forward rewrites before it attends, so the target never reads a key the draft
+wrote.
 """
 
 from __future__ import annotations
@@ -18,12 +26,20 @@ from worker.batch import BatchBuilder, Row, new_kv_pool
 from worker.loader import LoadedModel
 
 
+def can_share_kv(target: LoadedModel, draft: LoadedModel, same_weights: bool) -> bool:
+    """Whether ``draft`` may read the target's pool: the same weights (a lower-precision copy
+    of the served model), the same pool layout and the same forward."""
+    layout = ("num_layers", "num_kv_heads", "head_dim", "dtype", "device", "forward_name")
+    return same_weights and all(getattr(target, a) == getattr(draft, a) for a in layout)
+
+
 @dataclass(frozen=True)
 class DraftRequest:
     seq_id: str
     tokens: list[int]  # everything the sequence holds now
     block_ids: list[int]  # room for at least len(tokens) + k - 1 tokens
     k: int
+    num_computed: int = 0  # leading tokens whose KV the target's pool holds
 
 
 class DraftModel:
@@ -34,9 +50,13 @@ class DraftModel:
         block_size: int,
         max_batched_tokens: int,
         max_group_blocks: int,
+        shared_pool: torch.Tensor | None = None,
     ) -> None:
         self.loaded = loaded
-        self.kv_pool = new_kv_pool(loaded, num_blocks, block_size)
+        self.shares_kv = shared_pool is not None
+        self.kv_pool = (
+            shared_pool if shared_pool is not None else new_kv_pool(loaded, num_blocks, block_size)
+        )
         self.builder = BatchBuilder(
             self.kv_pool, block_size, max_batched_tokens, max_group_blocks, loaded.dtype
         )
@@ -47,7 +67,9 @@ class DraftModel:
         """Greedy draft tokens per sequence (a sequence too far behind catches up first)."""
         rows, ready, budget = [], [], self.max_batched_tokens
         for r in requests:
-            done = min(self._computed.get(r.seq_id, 0), len(r.tokens) - 1)
+            # A shared pool holds the KV of the tokens the target computed.
+            known = r.num_computed if self.shares_kv else self._computed.get(r.seq_id, 0)
+            done = min(known, len(r.tokens) - 1)
             if len(r.tokens) - done > budget:
                 continue  # a long catch-up waits for a step with room
             budget -= len(r.tokens) - done

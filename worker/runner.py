@@ -24,7 +24,7 @@ from canteen.plan import (
 from worker.attention import PagedBatch
 from worker.batch import BatchBuilder, Row, new_kv_pool
 from worker.constrain import Constraints, load_tokenizer
-from worker.draft import DraftModel, DraftRequest
+from worker.draft import DraftModel, DraftRequest, can_share_kv
 from worker.guard import BlockLedger, EntryError
 from worker.loader import LoadedModel
 from worker.sampler import sample
@@ -56,6 +56,7 @@ class ModelRunner:
         max_batched_tokens: int,
         speculation: SpeculationConfig | None = None,
         draft: LoadedModel | None = None,
+        draft_shares_kv: bool = False,
     ) -> None:
         self.loaded = loaded
         self.speculation = speculation or SpeculationConfig()
@@ -78,8 +79,17 @@ class ModelRunner:
         )
         if (draft is not None) != (self.speculation.kind == "draft"):
             raise ValueError("a draft model goes with --speculative draft, and only with it")
+        if draft_shares_kv and (draft is None or not can_share_kv(loaded, draft, True)):
+            raise ValueError("only a draft with the target's KV layout can share its pool")
         self.draft = (
-            DraftModel(draft, num_blocks, block_size, max_batched_tokens, self.max_group_blocks)
+            DraftModel(
+                draft,
+                num_blocks,
+                block_size,
+                max_batched_tokens,
+                self.max_group_blocks,
+                shared_pool=self.kv_pool if draft_shares_kv else None,
+            )
             if draft is not None
             else None
         )
@@ -225,7 +235,9 @@ class ModelRunner:
         wanted = [(self.sequences[i.seq_id], self._draft_limit(i)) for i in plan.scheduled]
         wanted = [(seq, k) for seq, k in wanted if k > 0]
         if self.draft is not None:
-            requests = [DraftRequest(s.seq_id, s.tokens, s.block_ids, k) for s, k in wanted]
+            requests = [
+                DraftRequest(s.seq_id, s.tokens, s.block_ids, k, s.num_computed) for s, k in wanted
+            ]
             return self.draft.propose(requests)
         return {
             seq.seq_id: propose_ngram(seq.tokens, k, spec.max_ngram, spec.min_ngram)

@@ -26,6 +26,7 @@ from scheduler.sequence import Finish, Sequence
 from scheduler.speculation import SpeculationPolicy
 from tests.support import reference
 from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq, next_token
+from worker.draft import can_share_kv
 from worker.loader import LoadedModel, load_model
 from worker.runner import ModelRunner
 from worker.speculate import SpeculationConfig, accept, propose_ngram
@@ -270,16 +271,19 @@ def other(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(str(path), "safetensors", "", torch.device("cpu"), torch.float32, False)
 
 
-@pytest.mark.parametrize("which", ["same", "other"])
+@pytest.mark.parametrize("which", ["same", "shared", "other"])
 def test_a_draft_model_changes_no_token(
     loaded: LoadedModel, other: LoadedModel, tiny_model_dir: Path, which: str
 ) -> None:
-    """The same model as its own draft (every draft holds), and a different one (most miss):
-    greedy equals transformers, seeded sampling equals the run without drafts."""
-    draft = loaded if which == "same" else other
+    """The same model as its own draft, with a pool of its own or reading the target's
+    (every draft holds either way), and a different one (most miss): greedy equals
+    transformers, seeded sampling equals the run without drafts."""
+    draft = other if which == "other" else loaded
     spec = SpeculationConfig("draft", K)
     prompt = [7, 8, 9, 10, 11, 3, 5, 8, 13, 21]
-    runner = ModelRunner(loaded, 64, 8, 256, spec, draft=draft)
+    runner = ModelRunner(loaded, 64, 8, 256, spec, draft=draft, draft_shares_kv=which == "shared")
+    assert runner.draft is not None
+    assert (runner.draft.kv_pool is runner.kv_pool) == (which == "shared")
     steps: list[StepResult] = []
     original = runner.step
 
@@ -294,7 +298,7 @@ def test_a_draft_model_changes_no_token(
     drafts = sum(s.num_draft_tokens for s in steps)
     accepted = sum(s.num_accepted_tokens for s in steps)
     assert drafts > 0
-    if which == "same":
+    if which != "other":
         assert accepted == drafts and len(steps) <= 40 // (K + 1) + 2
     sampling = Sampling(temperature=0.8, seed=77)
     plain = _decode(ModelRunner(loaded, 64, 8, 256), prompt, sampling, 40)
@@ -317,3 +321,15 @@ def test_worker_flags_name_what_is_wrong() -> None:
             speculative="draft", draft_model="tiny", draft_quantization="int4", dtype="float32"
         )
     assert WorkerConfig(speculative="draft", draft_model="m:v1").draft_model == "m:v1"
+
+
+def test_only_a_draft_of_the_same_weights_and_layout_reads_the_targets_pool(
+    loaded: LoadedModel, other: LoadedModel
+) -> None:
+    assert can_share_kv(loaded, loaded, same_weights=True)
+    assert not can_share_kv(loaded, loaded, same_weights=False)
+    assert not can_share_kv(loaded, other, same_weights=True)  # another KV layout
+    with pytest.raises(ValueError, match="only a draft with the target's KV layout"):
+        ModelRunner(
+            loaded, 64, 8, 256, SpeculationConfig("draft", K), draft=other, draft_shares_kv=True
+        )
