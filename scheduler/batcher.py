@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from canteen.batching import BatchConfig
@@ -55,8 +56,17 @@ class _Entry:
 
 
 class BatchScheduler:
-    def __init__(self, pool: BlockPool, limits: BatchConfig, num_draft_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        limits: BatchConfig,
+        num_draft_tokens: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pool = pool
+        self._clock = clock
+        self._now = 0.0  # when the result being applied arrived
+        self._last_result_at: float | None = None
         self.speculation = SpeculationPolicy(num_draft_tokens)
         self.limits = limits
         self.depth = limits.pipeline_depth  # plans in flight at once
@@ -175,7 +185,9 @@ class BatchScheduler:
         if not self._in_flight or self._in_flight[0][0].step_id != result.step_id:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
         plan, entries = self._in_flight.popleft()
+        self._now = self._clock()
         self._observe(plan, result)
+        self._last_result_at = self._now
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f.error for f in result.failed}
         made = Counter(t.seq_id for t in result.tokens)
@@ -208,14 +220,22 @@ class BatchScheduler:
         seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
         if self.cost is not None:
             self.cost.observe(computed, seconds)
+        drafted = any(s.num_draft_tokens for s in plan.scheduled)
         self.speculation.observe(
             len(plan.scheduled) if plan.kind == "decode" else 0,
-            any(s.num_draft_tokens for s in plan.scheduled),
+            drafted,
             len(result.tokens),
-            seconds,
+            self._cycle_seconds(seconds) if drafted else seconds,
             result.num_draft_tokens,
             result.num_accepted_tokens,
         )
+
+    def _cycle_seconds(self, seconds: float) -> float:
+        """What a drafting step cost in wall time. No plan is built on top of a drafting one,
+        so the worker also waited for the round trip since the last result; a pipelined step
+        costs only its own time. A gap over the step's own time was idleness, not its cost."""
+        since = None if self._last_result_at is None else self._now - self._last_result_at
+        return seconds if since is None else min(max(since, seconds), 2 * seconds)
 
     def _run(
         self,

@@ -5,7 +5,9 @@ every weight once, dominates a small batch and hides the extra tokens; a big bat
 compute-bound and pays for each), on how often drafts hold, and on what proposing costs (free
 for n-gram lookup, several forwards of a draft model). So the rule measures the one figure
 that matters: tokens made per second of decode-only steps, with and without drafts, per batch
-size (in powers of two). Each step takes the better of the two for its batch size. Both arms
+size (in powers of two). A drafting step's seconds include the round trip before it (the
+batcher builds no plan on top of one, so the worker waits for it); a step without drafts is
+pipelined and costs only its own time. Each step takes the better of the two for its batch size. Both arms
 are first measured (without drafts first), then the worse one is tried again for a few steps
 after ``EXPLORE_EVERY`` steps, and after twice as many each time it loses again (up to
 ``MAX_EXPLORE_EVERY``). The first step after a switch is not measured: turning drafts on

@@ -333,3 +333,28 @@ def test_only_a_draft_of_the_same_weights_and_layout_reads_the_targets_pool(
         ModelRunner(
             loaded, 64, 8, 256, SpeculationConfig("draft", K), draft=other, draft_shares_kv=True
         )
+
+
+def test_a_drafting_step_pays_for_the_round_trip_it_cannot_pipeline() -> None:
+    """Drafts that all miss make one token a step, as many as no drafts, in the same 1 ms of
+    compute; but no plan is built on top of a drafting one, so each drafting step also waits
+    for the round trip (5 ms here). Judged by wall time, drafts lose and the rule turns them
+    off; judged by compute alone it would keep them on (a tie goes to drafts)."""
+    now = [0.0]
+    limits = BatchConfig(max_batched_tokens=64, max_num_seqs=16, max_step_stall=0)
+    sched = BatchScheduler(
+        BlockPool(256, BLOCK_SIZE), limits, num_draft_tokens=K, clock=lambda: now[0]
+    )
+    worker = DraftingWorker(256, hits=lambda k: 0)
+    seqs = [make_seq(f"s{i}", prompt_len=5, max_tokens=200) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    drafting = []
+    for _ in range(150):
+        plan = sched.schedule()
+        assert plan is not None
+        drafted = any(s.num_draft_tokens for s in plan.scheduled)
+        now[0] += (0.005 if drafted else 0.0) + 0.001  # the round trip, then the step
+        sched.update(worker.step(plan))
+        drafting.append(drafted)
+    assert sum(drafting[-100:]) < 15  # only the rule's occasional retries
