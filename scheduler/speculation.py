@@ -7,13 +7,17 @@ for n-gram lookup, several forwards of a draft model). So the rule measures the 
 that matters: tokens made per second of decode-only steps, with and without drafts, per batch
 size (in powers of two). A drafting step's seconds include the round trip before it (the
 batcher builds no plan on top of one, so the worker waits for it); a step without drafts is
-pipelined and costs only its own time. Each step takes the better of the two for its batch size. Both arms
-are first measured (without drafts first), then the worse one is tried again for a few steps
-after ``EXPLORE_EVERY`` steps, and after twice as many each time it loses again (up to
-``MAX_EXPLORE_EVERY``). The first step after a switch is not measured: turning drafts on
-costs a draft model its catch-up on every sequence, once, not per step. So the rule follows
-the load and the text at little cost: drafts turn off as the batch grows past where they pay
-and back on as it shrinks.
+pipelined and costs only its own time.
+
+Each step takes the better of the two for its batch size. Both arms are first measured
+(without drafts first), then the worse one is tried again for a few steps after
+``EXPLORE_EVERY`` steps, and after twice as many each time it loses again (up to
+``MAX_EXPLORE_EVERY``). Drafts are not tried at a batch size while they lose at a smaller one:
+each verified token costs a bigger batch more, so they would lose there too. The first step
+after a switch is not measured: turning drafts on costs a draft model with a pool of its own
+its catch-up on every sequence, once, not per step. So the rule follows the load and the text
+at little cost: drafts turn off as the batch grows past where they pay and back on as it
+shrinks.
 """
 
 from __future__ import annotations
@@ -81,7 +85,8 @@ class SpeculationPolicy:
         return self.num_tokens if self._choose(num_decodes) else 0
 
     def _choose(self, num_decodes: int) -> bool:
-        bucket = self._buckets.setdefault(num_decodes.bit_length(), _Bucket())
+        size = num_decodes.bit_length()
+        bucket = self._buckets.setdefault(size, _Bucket())
         if bucket.trying is not None:
             if bucket.left > 0:
                 bucket.left -= 1
@@ -91,12 +96,24 @@ class SpeculationPolicy:
         if off is None:
             return bucket.start_try(False)  # measure each arm, the cheap one first
         if on is None:
-            return bucket.start_try(True)
+            return False if self._lose_below(size) else bucket.start_try(True)
         best = on >= off
         bucket.steps += 1
         if bucket.steps >= bucket.explore_every:
+            if not best and self._lose_below(size):
+                bucket.steps = 0
+                return False
             return bucket.start_try(not best)
         return best
+
+    def _lose_below(self, size: int) -> bool:
+        """Drafts lose at a smaller batch size now: a bigger batch pays more per verified
+        token, so they would lose here too, and trying them here is not worth its cost."""
+        for smaller, bucket in self._buckets.items():
+            on, off = bucket.rate.get(True), bucket.rate.get(False)
+            if smaller < size and on is not None and off is not None and on < off:
+                return True
+        return False
 
     @property
     def acceptance_rate(self) -> float:

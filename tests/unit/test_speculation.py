@@ -358,3 +358,12 @@ def test_a_drafting_step_pays_for_the_round_trip_it_cannot_pipeline() -> None:
         sched.update(worker.step(plan))
         drafting.append(drafted)
     assert sum(drafting[-100:]) < 15  # only the rule's occasional retries
+
+
+def test_drafts_are_not_tried_at_a_batch_size_above_one_where_they_lose() -> None:
+    policy = SpeculationPolicy(K)
+    costly = 0.080  # a draft model that costs 80 ms a step: it loses at 8 sequences
+    assert _simulate(policy, 8, 64, costly) < 0.15
+    assert _simulate(policy, 16, 256, costly) == 0.0  # never tried: it lost at 8
+    assert _simulate(policy, 1, 64, 0.0) > 0.8  # free drafts win at one sequence,
+    assert _simulate(policy, 1, 64, costly) < 0.3  # and lose once they cost 80 ms
