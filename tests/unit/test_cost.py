@@ -133,3 +133,74 @@ def test_a_burst_next_to_one_running_stream_is_prefilled_in_one_step() -> None:
     while sched.has_work:
         sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
     assert [s.output_ids for s in burst] == [expected_tokens(s.prompt_ids, 8) for s in burst]
+
+
+C = 0.001  # 1 ms per thousand query x key pairs of a prefill chunk's attention (a CPU)
+
+
+class AttendingWorker(TimedWorker):
+    """Steps cost A + B * tokens, plus C per thousand query x key pairs of each prefill
+    chunk: a late chunk of a long prompt costs several times an early one."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.computed: dict[str, int] = {}
+
+    def step(self, plan: StepPlan) -> StepResult:
+        extra = 0.0
+        for item in plan.scheduled:
+            done = self.computed.get(item.seq_id, 0)
+            if item.num_tokens > 1:
+                extra += C * item.num_tokens * (done + item.num_tokens) / 1000
+            self.computed[item.seq_id] = done + item.num_tokens
+        result = super().step(plan)
+        total = seconds(plan.num_tokens) + extra
+        return StepResult(
+            result.step_id, result.tokens, result.num_tokens, total_ns=int(total * 1e9)
+        )
+
+
+def test_the_fit_learns_what_attention_over_a_long_context_adds() -> None:
+    model = StepCostModel(max_stall=2.0, min_chunk=8)
+    for n, ctx in [(8, 0), (72, 0), (8, 0), (72, 600), (8, 0), (40, 1200), (8, 0), (72, 1800)]:
+        work = n * (ctx + n) / 1000
+        model.observe(n, seconds(n) + C * work, work)
+    fitted = model.fit_attention()
+    assert fitted is not None and fitted == pytest.approx((A, B, C))
+    # 8 decodes: 2 x 56 ms allows 56 ms more: 13 tokens after 2,000 cached ones (2 ms x 13
+    # + 1 ms x 13 x 2,013 / 1,000 = 52.2 ms); 27 with nothing before them (54 + 0.7 ms),
+    # reached by at most doubling from one step to the next.
+    assert model.prefill_budget(8, context=2000) == 13
+    assert [model.prefill_budget(8), model.prefill_budget(8)] == [26, 27]
+
+
+def test_a_long_prompts_late_chunks_stay_within_the_bound_though_attention_grows() -> None:
+    limits = BatchConfig(
+        max_batched_tokens=512,
+        max_num_seqs=16,
+        max_step_stall=2.0,
+        min_prefill_chunk=8,
+        pipeline_depth=1,
+    )
+    sched = BatchScheduler(BlockPool(800, BLOCK_SIZE), limits)
+    worker = AttendingWorker(800)
+    streams = [make_seq(f"s{i}", prompt_len=4, max_tokens=400) for i in range(8)]
+    for s in streams:
+        sched.add(s)
+    for _ in range(5):
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    long = make_seq("long", prompt_len=2000, max_tokens=4)
+    sched.add(long)
+    decode_only = seconds(8)
+    ratios = []
+    while long.num_computed < 2000:
+        plan = sched.schedule()
+        assert plan is not None
+        before = dict(worker.computed)
+        step = worker.step(plan)
+        assert worker.computed["long"] > before.get("long", 0)
+        ratios.append(step.total_ns / 1e9 / decode_only)
+        sched.update(step)
+    # Probes and one step of learning may overshoot a little; the last half never does.
+    assert max(ratios) < 2.5
+    assert max(ratios[len(ratios) // 2 :]) <= 2.0 + 1e-6
