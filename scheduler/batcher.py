@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from canteen.batching import BatchConfig
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
-from scheduler.cost import StepCostModel, attention_work
+from scheduler.cost import StepCostModel
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
 
@@ -49,7 +49,6 @@ class _Entry:
     num_tokens: int
     samples: bool
     drafts: int = 0  # draft tokens granted: its result may carry up to drafts + 1 tokens
-    context: int = 0  # the sequence's tokens scheduled before this chunk
 
     @property
     def is_current(self) -> bool:
@@ -164,8 +163,7 @@ class BatchScheduler:
         prefilling = [s for s in by_importance if not s.is_decoding_ahead]
         if chosen and self.cost is not None:
             waiting = len(prefilling) + len(self.waiting)
-            context = max((s.num_scheduled for s in prefilling), default=0)
-            budget = min(budget, self.cost.prefill_budget(len(chosen), waiting, context))
+            budget = min(budget, self.cost.prefill_budget(len(chosen), waiting))
         budget = self._run(prefilling, budget, chosen, in_plan)
         budget = self._admit(budget, chosen)
         drops, self._pending_drops = tuple(self._pending_drops), []
@@ -188,7 +186,7 @@ class BatchScheduler:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
         plan, entries = self._in_flight.popleft()
         self._now = self._clock()
-        self._observe(plan, result, entries)
+        self._observe(plan, result)
         self._last_result_at = self._now
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f.error for f in result.failed}
@@ -216,14 +214,12 @@ class BatchScheduler:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _observe(self, plan: StepPlan, result: StepResult, entries: dict[str, _Entry]) -> None:
+    def _observe(self, plan: StepPlan, result: StepResult) -> None:
         if result.total_ns <= 0 or not plan.scheduled:
             return
         seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
         if self.cost is not None:
-            chunks = [e for e in entries.values() if e.num_tokens > 1]
-            attention = sum(attention_work(e.num_tokens, e.context) for e in chunks)
-            self.cost.observe(computed, seconds, attention)
+            self.cost.observe(computed, seconds)
         drafted = any(s.num_draft_tokens for s in plan.scheduled)
         self.speculation.observe(
             len(plan.scheduled) if plan.kind == "decode" else 0,
@@ -453,11 +449,10 @@ class BatchScheduler:
                 seq.is_on_worker, fresh = True, ()
             seq.num_sent_blocks = len(seq.block_ids)
             samples = seq.num_unscheduled == n  # computes its last known token: samples one
-            context = seq.num_scheduled
             seq.num_in_flight += n
             seq.num_pending_samples += samples
             k = grants.get(seq.seq_id, 0)
-            entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples, k, context)
+            entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples, k)
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
             if self.depth > 1 and seq.is_done_ahead:
                 self._release_early(seq)
