@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -27,9 +28,9 @@ class TinySuite:
         self.scheduler_stub = scheduler_pb2_grpc.SchedulerStub(self.sched_channel)
 
 
-def start_tiny_suite(workdir: Path, model_dir: Path, num_kv_blocks: int) -> TinySuite:
-    """Registry, scheduler, one worker of the tiny model and a gateway; stop with
-    ``.suite.stop()``."""
+@contextmanager
+def tiny_suite(workdir: Path, model_dir: Path, num_kv_blocks: int) -> Iterator[TinySuite]:
+    """Registry, scheduler, one worker of the tiny model and a gateway, stopped on exit."""
     s = Suite(workdir)
     try:
         registry = s.start_registry(
@@ -55,18 +56,15 @@ def start_tiny_suite(workdir: Path, model_dir: Path, num_kv_blocks: int) -> Tiny
         )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         gateway = s.start_gateway(registry, scheduler)
-    except BaseException:
-        s.stop()
-        raise
-    return TinySuite(s, registry, scheduler, worker, gateway)
-
-
-@pytest.fixture(scope="session")
-def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinySuite]:
-    tiny = start_tiny_suite(tmp_path_factory.mktemp("suite"), tiny_model_dir, NUM_KV_BLOCKS)
-    try:
+        tiny = TinySuite(s, registry, scheduler, worker, gateway)
         yield tiny
         tiny.channel.close()
         tiny.sched_channel.close()
     finally:
-        tiny.suite.stop()
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def suite(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinySuite]:
+    with tiny_suite(tmp_path_factory.mktemp("suite"), tiny_model_dir, NUM_KV_BLOCKS) as tiny:
+        yield tiny

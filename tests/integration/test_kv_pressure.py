@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2
-from tests.integration.conftest import BLOCK_SIZE, TinySuite, start_tiny_suite
+from tests.integration.conftest import BLOCK_SIZE, TinySuite, tiny_suite
 from tests.support import reference
 
 WORDS = ["king", "queen", "Paris", "Rome", "time", "land", "far", "away", "capital", "tokens"]
@@ -63,13 +63,8 @@ def _stats(suite: TinySuite) -> scheduler_pb2.WorkerStats:
 def small_suite(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TinySuite]:
-    tiny = start_tiny_suite(tmp_path_factory.mktemp("kv-pressure"), tiny_model_dir, NUM_KV_BLOCKS)
-    try:
+    with tiny_suite(tmp_path_factory.mktemp("kv-pressure"), tiny_model_dir, NUM_KV_BLOCKS) as tiny:
         yield tiny
-        tiny.channel.close()
-        tiny.sched_channel.close()
-    finally:
-        tiny.suite.stop()
 
 
 def test_five_times_the_pool_all_complete_exactly_and_every_block_comes_back(
