@@ -65,7 +65,6 @@ class BatchScheduler:
     ) -> None:
         self.pool = pool
         self._clock = clock
-        self._now = 0.0  # when the result being applied arrived
         self._last_result_at: float | None = None
         self.speculation = SpeculationPolicy(num_draft_tokens)
         self.limits = limits
@@ -185,9 +184,10 @@ class BatchScheduler:
         if not self._in_flight or self._in_flight[0][0].step_id != result.step_id:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
         plan, entries = self._in_flight.popleft()
-        self._now = self._clock()
-        self._observe(plan, result)
-        self._last_result_at = self._now
+        now = self._clock()
+        since = None if self._last_result_at is None else now - self._last_result_at
+        self._last_result_at = now
+        self._observe(plan, result, since)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f.error for f in result.failed}
         made = Counter(t.seq_id for t in result.tokens)
@@ -214,7 +214,9 @@ class BatchScheduler:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _observe(self, plan: StepPlan, result: StepResult) -> None:
+    def _observe(self, plan: StepPlan, result: StepResult, since: float | None) -> None:
+        """Feeds the cost model and the speculation rule; ``since``: seconds since the
+        previous result arrived (None for the first)."""
         if result.total_ns <= 0 or not plan.scheduled:
             return
         seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
@@ -225,17 +227,10 @@ class BatchScheduler:
             len(plan.scheduled) if plan.kind == "decode" else 0,
             drafted,
             len(result.tokens),
-            self._cycle_seconds(seconds) if drafted else seconds,
+            _cycle_seconds(seconds, since) if drafted else seconds,
             result.num_draft_tokens,
             result.num_accepted_tokens,
         )
-
-    def _cycle_seconds(self, seconds: float) -> float:
-        """What a drafting step cost in wall time. No plan is built on top of a drafting one,
-        so the worker also waited for the round trip since the last result; a pipelined step
-        costs only its own time. A gap over the step's own time was idleness, not its cost."""
-        since = None if self._last_result_at is None else self._now - self._last_result_at
-        return seconds if since is None else min(max(since, seconds), 2 * seconds)
 
     def _run(
         self,
@@ -459,3 +454,10 @@ class BatchScheduler:
         plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)
         self._in_flight.append((plan, entries))
         return plan
+
+
+def _cycle_seconds(seconds: float, since: float | None) -> float:
+    """What a drafting step cost in wall time. No plan is built on top of a drafting one, so
+    the worker also waited for the round trip since the last result; a pipelined step costs
+    only its own time. A gap over the step's own time was idleness, not its cost."""
+    return seconds if since is None else min(max(since, seconds), 2 * seconds)
