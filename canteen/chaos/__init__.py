@@ -3,13 +3,16 @@ request is checked, and the KV pools must be whole again.
 
 Before any fault, each distinct (prompt, max_tokens) of the plan runs once (``temperature=0``,
 ``ignore_eos``) as its reference. Then ``requests`` requests run, at most ``concurrency`` at
-a time, each with its own ``x-request-id``, round-robin over the gateways. An attempt that
-fails UNAVAILABLE before any token is retried on the next gateway (``attempts`` in all), as a
-client behind a load balancer does and as a draining gateway asks. Each request ends as:
+a time, each with its own ``x-request-id``, round-robin over the gateways. An attempt that is
+refused before any token is retried on the next gateway (``attempts`` in all), as a client
+behind a load balancer does and as a draining gateway asks. Refused: UNAVAILABLE, or
+CANCELLED without response headers: a gRPC server that stops cancels the calls still queued
+for a handler (grpc/grpc#41785), calls no Canteen code saw. Each request ends as:
 
 * completed exactly: finish_reason ``length`` with exactly the reference tokens;
-* failed retryably: a status in ``retryable`` (default UNAVAILABLE, RESOURCE_EXHAUSTED) with
-  a prefix of the reference as tokens: nothing repeated, nothing corrupted;
+* failed retryably: a status in ``retryable`` (default UNAVAILABLE, RESOURCE_EXHAUSTED), or
+  a refusal while UNAVAILABLE is retryable, with a prefix of the reference as tokens:
+  nothing repeated, nothing corrupted;
 * lost: anything else: other tokens, another status (INTERNAL, CANCELLED, ...), a stream
   that ends without finish_reason, a response id that is not the request's x-request-id.
   DEADLINE_EXCEEDED is lost by default: the services bound their own waits

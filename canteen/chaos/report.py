@@ -22,6 +22,16 @@ class Received:
     code: str = ""
     details: str = ""
     foreign_id: str = ""  # a response id other than the request's x-request-id
+    answered: bool = False  # the gateway sent response headers: a handler took the call
+
+    @property
+    def is_refused(self) -> bool:
+        """Turned away before any handler ran: UNAVAILABLE, or the CANCELLED that a stopping
+        gRPC server answers for calls still queued for a handler (grpc/grpc#41785), which
+        never reached Canteen's code. Safe to send again."""
+        return not self.tokens and (
+            self.code == "UNAVAILABLE" or (self.code == "CANCELLED" and not self.answered)
+        )
 
 
 @dataclass
@@ -54,7 +64,9 @@ def classify(reference: list[int], got: Received, retryable: tuple[str, ...]) ->
         at = next((i for i, (a, b) in pairs if a != b), len(reference))
         return "lost", f"{n} tokens, not a prefix of the reference (they differ at {at})"
     if got.code:
-        return ("retryable", "") if got.code in retryable else ("lost", got.details)
+        if got.code in retryable or (got.is_refused and "UNAVAILABLE" in retryable):
+            return "retryable", ""
+        return "lost", got.details
     if got.finish != _LENGTH or n != len(reference):
         return "lost", f"ended with finish_reason {got.finish} after {n}/{len(reference)} tokens"
     return "exact", ""

@@ -46,7 +46,7 @@ class ChaosConfig:
     max_tokens: tuple[int, ...] = (16, 32, 48, 64)
     duration: float = 30.0  # seconds the requests are paced over, faults aside
     request_timeout: float = 90.0
-    attempts: int = 3  # per request, while an attempt fails UNAVAILABLE with no token
+    attempts: int = 3  # per request, while an attempt is refused (Received.is_refused)
     retryable: tuple[str, ...] = RETRYABLE
     ready_timeout: float = 120.0  # for a restarted service to serve again
     settle: float = 10.0  # for the pools to be whole after the load
@@ -97,6 +97,7 @@ async def _generate(
                 got.foreign_id = msg.id
     except grpc.aio.AioRpcError as exc:
         got.code, got.details = exc.code().name, exc.details() or ""
+        got.answered = bool(exc.initial_metadata())
     return got
 
 
@@ -142,7 +143,7 @@ class Load:
             for attempt in range(1, self.config.attempts + 1):
                 stub = self.stubs[(i + attempt - 1) % len(self.stubs)]
                 got = await _generate(stub, self.request(key), f"{rid}.{attempt}", self.config)
-                if got.code != "UNAVAILABLE" or got.tokens or attempt == self.config.attempts:
+                if not got.is_refused or attempt == self.config.attempts:
                     break
                 await asyncio.sleep(0.1 * 2**attempt)
         finally:

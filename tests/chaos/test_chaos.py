@@ -13,14 +13,22 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 
 from canteen.chaos import ChaosConfig, Fault, ShellInjector, parse_faults, run_chaos
 from canteen.chaos.report import Received, Report, classify
+from canteen.chaos.runner import Load
 from canteen.cli import main
-from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from canteen.v1 import (
+    common_pb2,
+    inference_pb2,
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from tests.support.suite import Service, Suite, wait_serving
 from tests.support.up import CANTEEN, Up
 
@@ -223,10 +231,60 @@ LENGTH = common_pb2.FINISH_REASON_LENGTH
         (Received(tokens=REF[:1], code="INTERNAL"), "lost"),
         (Received(tokens=REF[:1], code="DEADLINE_EXCEEDED"), "lost"),
         (Received(tokens=REF, finish=LENGTH, foreign_id="req-x"), "lost"),
+        # CANCELLED before any response header: grpc's shutdown race, no Canteen code saw it
+        (Received(tokens=[], code="CANCELLED"), "retryable"),
+        (Received(tokens=[], code="CANCELLED", answered=True), "lost"),  # a handler cancelled it
+        (Received(tokens=REF[:1], code="CANCELLED", answered=True), "lost"),
     ],
 )
 def test_classify(got: Received, result: str) -> None:
     assert classify(REF, got, ("UNAVAILABLE", "RESOURCE_EXHAUSTED"))[0] == result
+
+
+class _Refuser(inference_pb2_grpc.InferenceServicer):
+    """Ends every Generate call CANCELLED; after response headers if ``answer``."""
+
+    def __init__(self, answer: bool) -> None:
+        self.answer, self.calls = answer, 0
+
+    async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.calls += 1
+        if self.answer:
+            await context.send_initial_metadata((("x-request-id", "r"),))
+        await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
+        yield inference_pb2.GenerateResponse()  # never reached: makes this a stream handler
+
+
+@pytest.mark.parametrize(("answer", "attempts"), [(False, 3), (True, 1)])
+def test_a_cancelled_call_is_sent_again_only_when_no_handler_answered(
+    answer: bool, attempts: int
+) -> None:
+    """Over real gRPC: CANCELLED without response headers (what a stopping server answers for
+    calls still queued, grpc/grpc#41785) is retried like UNAVAILABLE; once the gateway has
+    answered, CANCELLED is its verdict and the request is judged as lost."""
+
+    async def run() -> tuple[Received, int]:
+        server, servicer = grpc.aio.server(), _Refuser(answer)
+        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                config = ChaosConfig([], "", requests=1, model="m", attempts=3)
+                load = Load(config, [_stub(channel)])
+                load.refs[load.plan[0]] = REF
+                await load.one(0)
+                return load.outcomes[0], servicer.calls
+        finally:
+            await server.stop(0)
+
+    outcome, calls = asyncio.run(run())
+    assert calls == attempts
+    assert (outcome.result, outcome.code) == ("retryable" if not answer else "lost", "CANCELLED")
+
+
+def _stub(channel: grpc.aio.Channel) -> inference_pb2_grpc.InferenceStub:
+    return inference_pb2_grpc.InferenceStub(channel)
 
 
 def test_parse_faults_and_shell_commands(tmp_path: Path) -> None:

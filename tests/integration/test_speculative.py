@@ -60,16 +60,16 @@ class Spec:
 
 
 @contextmanager
-def _spec_suite(workdir: Path, tiny_model_dir: Path, names: tuple[str, ...]) -> Iterator[Spec]:
+def _spec_suite(
+    workdir: Path, tiny_model_dir: Path, names: tuple[str, ...], args: tuple[str, ...] = WORKER_ARGS
+) -> Iterator[Spec]:
     s = Suite(workdir)
     try:
         registry = s.start_tiny_registry(tiny_model_dir, "--lease-ttl", "2")
         scheduler = s.start_scheduler(
             registry, "--max-step-stall", "0", "--failover-wait", "20", "--worker-timeout", "10"
         )
-        workers = {
-            name: s.start_worker(registry, "tiny", *WORKER_ARGS, name=name) for name in names
-        }
+        workers = {name: s.start_worker(registry, "tiny", *args, name=name) for name in names}
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         gateway = s.start_gateway(registry, scheduler)
         yield Spec(s, registry, scheduler, gateway, workers)
@@ -191,11 +191,14 @@ def test_a_draft_model_worker_streams_exactly(tiny_model_dir: Path, tmp_path: Pa
 
 def test_canteen_bench_reports_the_acceptance_rate(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The run's drafts and acceptance rate are what the service counted during it. On a
-    suite of its own: a fresh scheduler's rule measures both arms at one stream before it
-    judges, so the run surely verifies drafts (on the shared suite, what earlier tests taught
-    it about the tiny model may keep drafts off for the whole run)."""
+    suite of its own, whose worker drafts with a model (the tiny one itself): a fresh
+    scheduler's rule tries drafts on the first request's fourth to sixth decode steps, and a
+    draft model proposes on every step it is asked to (n-gram lookup proposes only where the
+    random model's text repeats itself, which in CI it once never did)."""
     (tmp_path / "suite").mkdir()
-    with _spec_suite(tmp_path / "suite", tiny_model_dir, ("worker",)) as spec:
+    args = ("--speculative", "draft", "--draft-model", "tiny", "--num-speculative-tokens", "4")
+    args += ("--num-kv-blocks", "48", "--block-size", "8", "--threads", "1")
+    with _spec_suite(tmp_path / "suite", tiny_model_dir, ("worker",), args) as spec:
         _bench_and_compare(spec, tmp_path)
 
 
