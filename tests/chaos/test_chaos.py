@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from canteen.chaos import ChaosConfig, Fault, ShellInjector, parse_faults, run_chaos
-from canteen.chaos.report import Received, Report, classify
+from canteen.chaos.report import Outcome, Received, Report, classify
 from canteen.chaos.runner import Load
 from canteen.cli import main
 from canteen.v1 import (
@@ -263,8 +263,8 @@ def test_a_cancelled_call_is_sent_again_only_when_no_handler_answered(
     calls still queued, grpc/grpc#41785) is retried like UNAVAILABLE; once the gateway has
     answered, CANCELLED is its verdict and the request is judged as lost."""
 
-    async def run() -> tuple[Received, int]:
-        server, servicer = grpc.aio.server(), _Refuser(answer)
+    async def run() -> tuple[Outcome, int]:
+        server, servicer = grpc.aio.server(), _Refuser(answer)  # type: ignore[abstract]
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()

@@ -196,8 +196,9 @@ def test_canteen_bench_reports_the_acceptance_rate(tiny_model_dir: Path, tmp_pat
     draft model proposes on every step it is asked to (n-gram lookup proposes only where the
     random model's text repeats itself, which in CI it once never did)."""
     (tmp_path / "suite").mkdir()
-    args = ("--speculative", "draft", "--draft-model", "tiny", "--num-speculative-tokens", "4")
-    args += ("--num-kv-blocks", "48", "--block-size", "8", "--threads", "1")
+    args: tuple[str, ...] = ("--speculative", "draft", "--draft-model", "tiny")
+    args += ("--num-speculative-tokens", "4", "--num-kv-blocks", "48", "--block-size", "8")
+    args += ("--threads", "1")
     with _spec_suite(tmp_path / "suite", tiny_model_dir, ("worker",), args) as spec:
         _bench_and_compare(spec, tmp_path)
 
