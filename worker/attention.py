@@ -49,6 +49,7 @@ class DecodeGroup:
     mask: torch.Tensor
     slots: torch.Tensor  # [B * L] every row's slots, padded (worker/model.py)
     bias: torch.Tensor  # [B, 1, L] 0 or -inf: the padding, as an additive bias
+    lens: torch.Tensor  # [B] each row's context length (its slots past it are padding)
 
 
 @dataclass

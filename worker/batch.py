@@ -111,6 +111,7 @@ class BatchBuilder:
             mask=mask[:, None, None, :],
             slots=self._slots(block_tables).flatten(),
             bias=bias.masked_fill_(~mask, float("-inf")).unsqueeze(1),
+            lens=lens,
         )
 
 

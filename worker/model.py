@@ -7,8 +7,10 @@ transformers loads the weights; this module takes them over once at load:
     attention             -> worker/paged_attention.py, reading the paged pool directly
     rotary                -> applied to q and k together, cos/sin computed once per step
 
-Norms, the rotary tables and the activation are transformers' own modules, so what they
-compute is the reference's computation. A family is listed in FAMILIES only when this file
+The rotary tables and the activation are transformers' own modules, so what they compute is
+the reference's computation; so are the RMSNorms, computed on the CPU by Canteen's one-pass
+kernel (worker/kernels/, bit-equal in bfloat16, within float32 rounding of the sum's order).
+A family is listed in FAMILIES only when this file
 reproduces it exactly; the loader keeps transformers' forward for every other one (olmo2:
 its norms sit after attention and MLP, and its q/k norms span all heads).
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import overload
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from canteen.logging import get_logger
+from worker import kernels
 from worker.attention import PagedBatch
 from worker.paged_attention import layer_view, paged_attention
 from worker.quant import Linear, PackedLinear, Q4Groups, make_linear
@@ -77,6 +81,33 @@ def _fused_linear(
     )
 
 
+_RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "GraniteRMSNorm")
+
+
+@overload
+def _norm(module: nn.Module) -> nn.Module: ...
+@overload
+def _norm(module: None) -> None: ...
+def _norm(module: nn.Module | None) -> nn.Module | None:
+    """transformers' RMSNorm ``module``, or the same computation in Canteen's one-pass CPU
+    kernel (worker/kernels/) when it is loaded and the weights are on the CPU."""
+    if module is None or type(module).__name__ not in _RMS_NORMS:
+        return module
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    if weight.device.type != "cpu" or not kernels.available():
+        return module
+    return _KernelNorm(weight.detach(), float(module.variance_epsilon))  # type: ignore[arg-type]
+
+
+class _KernelNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight, self.eps = weight, eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.canteen.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin, in four ops
     instead of seven: rotate_half(x) * sin == swap_halves(x) * signed_sin, where signed_sin
@@ -102,10 +133,10 @@ class Layer:
         self.o = fused(attn, "self_attn", ["o"])
         self.gate_up = fused(mlp, "mlp", ["gate", "up"])
         self.down = fused(mlp, "mlp", ["down"])
-        self.input_norm: nn.Module = hf.input_layernorm  # type: ignore[assignment]
-        self.post_norm: nn.Module = hf.post_attention_layernorm  # type: ignore[assignment]
-        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
-        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        self.input_norm = _norm(hf.input_layernorm)  # type: ignore[arg-type]
+        self.post_norm = _norm(hf.post_attention_layernorm)  # type: ignore[arg-type]
+        self.q_norm: nn.Module | None = _norm(getattr(attn, "q_norm", None))
+        self.k_norm: nn.Module | None = _norm(getattr(attn, "k_norm", None))
         self.act: nn.Module = mlp.act_fn  # type: ignore[assignment]
         self.shape = shape
 
@@ -154,7 +185,7 @@ class FastModel:
         )
         body = hf.model
         self.embed = body.embed_tokens.weight.detach()
-        self.rotary, self.norm = body.rotary_emb, body.norm
+        self.rotary, self.norm = body.rotary_emb, _norm(body.norm)
         self.layers = [
             Layer(layer, f"model.layers.{i}", self.shape, quantization, q4)
             for i, layer in enumerate(body.layers)

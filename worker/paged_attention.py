@@ -10,10 +10,12 @@ a batched matmul wants:
                    repeat of the shared KV heads)
 
 The slot indices and the padding bias are built once per step (worker/runner.py) and shared
-by every layer. torch has no CPU kernel that reads blocks in place, so each layer still copies
-the keys and values it attends over once: measured here (1 thread, batch 16, 112 tokens of
-context, bfloat16) that copy is 43 us of the 220 us a layer's decode attention takes, where
-indexing ``pool[block_tables]`` into transformers' SDPA path took 2,060 us.
+by every layer. On the CPU, decode rows go to Canteen's own kernel
+(``torch.ops.canteen.paged_decode``, worker/kernels/), which reads each row's slots in place;
+elsewhere, or without the kernel, torch has no op that reads blocks in place, so each layer
+copies the keys and values it attends over once: measured here (1 thread, batch 16, 112
+tokens of context, bfloat16) that copy is 43 us of the 220 us a layer's decode attention
+takes, where indexing ``pool[block_tables]`` into transformers' SDPA path took 2,060 us.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from worker import kernels
 from worker.attention import DecodeGroup, PagedBatch, PrefillSpan
 
 
@@ -53,6 +56,16 @@ def paged_attention(
 
 def _decode(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
     """One new token per row: q [B, heads, D] over each row's slots -> [B, heads * D]."""
+    if q.device.type == "cpu" and kernels.available():
+        slots = group.slots.view(q.shape[0], -1)
+        return torch.ops.canteen.paged_decode(q, pool, slots, group.lens, scale)  # type: ignore[no-any-return]
+    return _decode_torch(pool, q, group, scale)
+
+
+def _decode_torch(
+    pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup, scale: float
+) -> torch.Tensor:
+    """_decode in torch ops: gathers each row's keys and values, then batched matmuls."""
     rows, heads, dim = q.shape
     kv_heads = pool.shape[1]
     width = group.slots.numel() // rows

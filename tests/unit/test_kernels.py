@@ -1,0 +1,93 @@
+"""Canteen's C++ CPU kernels (worker/kernels/) against the torch ops they replace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from worker import kernels
+from worker.attention import DecodeGroup
+from worker.paged_attention import _decode, _decode_torch
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler here")
+
+BLOCK = 4
+
+
+def _group(tables: list[list[int]], lens: list[int]) -> DecodeGroup:
+    """A decode group as worker/batch.py builds it: tables padded with block 0."""
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    slots = (block_tables.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten(-2)
+    lengths = torch.tensor(lens)
+    mask = torch.arange(width * BLOCK).unsqueeze(0) < lengths.unsqueeze(1)
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    return DecodeGroup(
+        index=torch.arange(len(tables)),
+        block_tables=block_tables,
+        mask=mask[:, None, None, :],
+        slots=slots.flatten(),
+        bias=bias.unsqueeze(1),
+        lens=lengths,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, dim, blocks = 6, 2, 16, 12
+    pool = torch.randn(2, kv_heads, blocks * BLOCK, dim).to(dtype)
+    # rows of different lengths, tables in any block order, the last one a partial block
+    group = _group([[3, 7, 1], [5], [11, 2, 9, 4]], [11, 2, 16])
+    q = torch.randn(3, heads, dim).to(dtype)
+    got = _decode(pool, q, group, 0.25)
+    want = _decode_torch(pool, q, group, 0.25)
+    assert got.dtype == dtype and got.shape == (3, heads * dim)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: one output rounding
+    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    # padding never counts: garbage in every slot past each row's length changes nothing
+    used = torch.zeros(blocks * BLOCK, dtype=torch.bool)
+    for row, n in enumerate(group.lens.tolist()):
+        used[group.slots.view(3, -1)[row, :n]] = True
+    pool[:, :, ~used] = 1e4
+    assert torch.equal(_decode(pool, q, group, 0.25), got)
+
+
+def test_paged_decode_refuses_lengths_past_the_table() -> None:
+    pool = torch.zeros(2, 1, 8, 4)
+    with pytest.raises(RuntimeError, match="lens out of range"):
+        torch.ops.canteen.paged_decode(
+            torch.zeros(1, 1, 4), pool, torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), 1.0
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_rms_norm(dtype: torch.dtype) -> None:
+    torch.manual_seed(1)
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96)
+    norm = norm.to(dtype)
+    x = (torch.randn(7, 3, 96) * 4).to(dtype)
+    got = torch.ops.canteen.rms_norm(x, norm.weight, norm.variance_epsilon)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, norm(x))  # every rounding where transformers rounds
+    else:
+        torch.testing.assert_close(got, norm(x), atol=2e-6, rtol=2e-6)  # the sum's order
+
+
+def test_without_a_compiler_the_worker_keeps_pure_torch(tmp_path: Path) -> None:
+    env = {**os.environ, "CANTEEN_KERNEL_DIR": str(tmp_path), "CXX": "/bin/false"}
+    code = "from worker import kernels; print(kernels.available())"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
+    assert "CPU kernels unavailable; using the pure-torch path" in done.stdout + done.stderr
+    assert list(tmp_path.glob("*.so")) == []

@@ -1,0 +1,111 @@
+"""Canteen's C++ CPU kernels (canteen_ops.cpp), built with the machine's compiler and loaded.
+
+``torch.ops.canteen.paged_decode`` and ``torch.ops.canteen.rms_norm`` replace the decode
+step's many small ops (worker/paged_attention.py, worker/model.py). The library is compiled
+once per source, torch version and CPU (``-march=native``: a library built for one machine's
+vector units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's
+``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``),
+and a worker that finds none builds it under a file lock, so concurrent workers build once.
+Without a compiler, or with ``CANTEEN_KERNELS=0``, the worker keeps the pure-torch path and
+logs why.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+from canteen.logging import get_logger
+
+log = get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("canteen_ops.cpp")
+BUILD_TIMEOUT_S = 600
+
+
+def kernel_dir() -> Path:
+    configured = os.environ.get("CANTEEN_KERNEL_DIR")
+    return Path(configured) if configured else Path(sys.prefix) / "share" / "canteen-kernels"
+
+
+def _cpu_signature() -> str:
+    """The CPU model and feature flags: a build is only valid for the vector units it saw."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags")
+    lines = {line.split(":", 1)[0].strip(): line for line in text.splitlines() if ":" in line}
+    return "\n".join(lines.get(key, "") for key in wanted)
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode()):
+        digest.update(part)
+    return kernel_dir() / f"canteen_ops-{digest.hexdigest()[:16]}.so"
+
+
+def _compile_command(out: Path) -> list[str]:
+    abi = int(torch.compiled_with_cxx11_abi())
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libs = cpp_extension.library_paths()
+    return [
+        os.environ.get("CXX", "g++"),
+        *("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *includes,
+        str(SOURCE),
+        *(f"-L{p}" for p in libs),
+        *(f"-Wl,-rpath,{p}" for p in libs),
+        *("-lc10", "-ltorch_cpu", "-ltorch"),
+        "-o",
+        str(out),
+    ]
+
+
+def build() -> Path:
+    """Compiles the library if this machine has none yet; returns its path. Raises
+    RuntimeError with the compiler's message when the build fails."""
+    path = library_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building the same library
+        if path.exists():
+            return path
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        log.info("building CPU kernels", path=str(path))
+        try:
+            done = subprocess.run(
+                _compile_command(tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise RuntimeError(f"compiler did not run: {exc}") from exc
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"compiler failed: {done.stderr[-2000:]}")
+        tmp.rename(path)
+    return path
+
+
+@cache
+def available() -> bool:
+    """Whether the kernels are loaded (built first if needed). Never raises."""
+    if os.environ.get("CANTEEN_KERNELS", "1") == "0":
+        log.info("CPU kernels off", reason="CANTEEN_KERNELS=0")
+        return False
+    try:
+        torch.ops.load_library(str(build()))  # type: ignore[no-untyped-call]
+    except (RuntimeError, OSError) as exc:
+        log.warning("CPU kernels unavailable; using the pure-torch path", error=str(exc)[-500:])
+        return False
+    return True
