@@ -10,7 +10,32 @@ from gateway.limits import NeverFitsError, RateLimitedError
 
 
 class InvalidInputError(ValueError):
-    pass
+    """A caller's mistake; ``param`` is the request field it concerns (OpenAI's ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def clip(value: object, limit: int = 64) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages that echo input."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def refuse_unknown(
+    where: str, value: dict[str, object], known: frozenset[str], on: str = ""
+) -> None:
+    """Refuses the first key of ``value`` not in ``known``, naming its path (400); ``on``
+    says where, as in " on a 'user' message"."""
+    for key in value:
+        if key not in known:
+            param = f"{where}.{key[:64]}" if where else key[:64]
+            raise InvalidInputError(
+                f"{param}: not supported{on} by this server; remove the field "
+                f"(supported: {', '.join(sorted(known))})",
+                param=param,
+            )
 
 
 class UpstreamError(Exception):

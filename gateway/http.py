@@ -26,21 +26,20 @@ from prometheus_client import CollectorRegistry
 from canteen.auth import ApiKeys, AuthenticationError
 from canteen.logging import get_logger
 from canteen.metrics import metrics_handler
-from gateway.errors import InvalidInputError, UpstreamError, status_of
+from gateway.errors import InvalidInputError, UpstreamError, refuse_unknown, status_of
 from gateway.limits import RateLimitedError
 from gateway.openai_api import (
     ChoiceResult,
     OpenAIRequest,
     TokenLogprobs,
-    check_text,
     chunks_json,
     logprobs_json,
-    parse_messages,
     parse_request,
     response_json,
     usage_chunk_json,
     usage_json,
 )
+from gateway.openai_messages import check_text, parse_messages
 from gateway.service import Admitted, InferenceService, TextDelta, choose_request_id
 from gateway.status import status_routes
 
@@ -50,6 +49,9 @@ _OPEN_PATHS = frozenset({"/healthz", "/metrics", "/status", "/status.json"})
 # What the service looks like inside (batches, request labels, metrics): an admin key's,
 # whenever API keys are configured. Browsers may send it as Basic auth (any user name).
 _ADMIN_PATHS = frozenset({"/metrics", "/status", "/status.json"})
+# What /tokenize and /detokenize read; any other field is refused, naming it.
+_TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages"})
+_DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -65,18 +67,27 @@ STATUS = {
 
 
 class HttpError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float = 0.0) -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        retry_after: float = 0.0,
+        param: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.code, self.retry_after = code, retry_after
+        self.code, self.retry_after, self.param = code, retry_after, param
 
 
-def error_body(code: grpc.StatusCode, message: str) -> tuple[int, dict[str, Any]]:
+def error_body(
+    code: grpc.StatusCode, message: str, param: str | None = None
+) -> tuple[int, dict[str, Any]]:
+    """OpenAI's error object; ``param`` names the request field at fault, when one is."""
     status, kind = STATUS.get(code, (500, "internal_error"))
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": code.name}}
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name}}
 
 
 def error_response(exc: HttpError) -> web.Response:
-    status, body = error_body(exc.code, str(exc))
+    status, body = error_body(exc.code, str(exc), exc.param)
     headers = {"Retry-After": str(max(1, round(exc.retry_after + 0.5)))} if status == 429 else {}
     return web.json_response(body, status=status, headers=headers)
 
@@ -91,7 +102,9 @@ def as_http_error(exc: Exception) -> HttpError:
     code = status_of(exc)
     if code is None:
         raise exc
-    return HttpError(code, str(exc))
+    return HttpError(
+        code, str(exc), param=exc.param if isinstance(exc, InvalidInputError) else None
+    )
 
 
 def _bearer(authorization: str | None) -> str | None:
@@ -358,6 +371,7 @@ class HttpEdge:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = _object(await self._body(request))
+        refuse_unknown("", body, _TOKENIZE_FIELDS)
         prompt, messages = body.get("prompt"), body.get("messages")
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
@@ -368,6 +382,7 @@ class HttpEdge:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = _object(await self._body(request))
+        refuse_unknown("", body, _DETOKENIZE_FIELDS)
         model, text = await self.service.detokenize(_model(body), body.get("tokens"))
         return web.json_response({"model": model, "prompt": text})
 

@@ -1,6 +1,12 @@
-"""OpenAI's tool-calling JSON: ``tools``, ``tool_choice``, ``parallel_tool_calls`` and the
-messages' ``tool_calls`` / ``tool_call_id`` in; ``message.tool_calls`` and streamed
-``tool_calls`` deltas out. The domain types are gateway/tools.py's.
+"""OpenAI's tool-calling JSON: ``tools``, ``tool_choice`` and ``parallel_tool_calls`` in
+(the messages' ``tool_calls`` / ``tool_call_id`` are gateway/openai_messages.py's);
+``message.tool_calls`` and streamed ``tool_calls`` deltas out. The domain types are
+gateway/tools.py's.
+
+A tool is ``{"type": "function", "function": {name, description, parameters, strict}}``;
+any other key is refused naming its path. ``strict: true`` is honoured where the arguments
+are enforced (``required``, a named function; ``none`` makes no call) and refused with
+``auto``, where the model's own calls are parsed but not constrained.
 
 Streaming follows OpenAI: per call, a delta with its ``index``, ``id``, ``type`` and the
 function's ``name`` (arguments ""), then a delta with the ``arguments`` text; the choice's
@@ -9,13 +15,14 @@ last chunk has an empty delta and ``finish_reason`` "tool_calls".
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from gateway.errors import InvalidInputError
-from gateway.tools import ChatMessage, Function, ToolCall, ToolRequest, check_tools
+from gateway.errors import InvalidInputError, refuse_unknown
+from gateway.tools import Function, ToolCall, ToolRequest, check_tools
 
 TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+_TOOL_KEYS = frozenset({"type", "function"})
+_FUNCTION_KEYS = frozenset({"name", "description", "parameters", "strict"})
 
 
 def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
@@ -24,36 +31,64 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidInputError(
-            f"parallel_tool_calls: expected a boolean, got {type(parallel).__name__}"
+            f"parallel_tool_calls: expected a boolean, got {type(parallel).__name__}",
+            param="parallel_tool_calls",
+        )
+    if raw is not None and not isinstance(raw, list):
+        raise InvalidInputError(
+            f"tools: expected a list of tools, got {type(raw).__name__}", param="tools"
+        )
+    if parallel is not None and not raw:  # as OpenAI: it would say nothing without tools
+        raise InvalidInputError(
+            "parallel_tool_calls: only allowed when tools are given", param="parallel_tool_calls"
         )
     if raw is None and choice is None:
         return None
-    if raw is not None and not isinstance(raw, list):
-        raise InvalidInputError(f"tools: expected a list of tools, got {type(raw).__name__}")
-    functions = tuple(_function(i, t) for i, t in enumerate(raw or []))
+    parsed = [_function(i, t) for i, t in enumerate(raw or [])]
+    functions = tuple(function for function, _ in parsed)
     mode, name = _choice(choice, bool(functions))
+    for i, (_, is_strict) in enumerate(parsed):
+        if is_strict and mode == "auto":
+            raise InvalidInputError(
+                f"tools[{i}].function.strict=true: not supported with tool_choice 'auto' (the "
+                "model's own calls are parsed, not enforced); arguments are enforced with "
+                "'required' or a named function, or remove strict",
+                param=f"tools[{i}].function.strict",
+            )
     request = ToolRequest(functions, mode, name, parallel is not False)
     return check_tools(request)
 
 
-def _function(i: int, tool: object) -> Function:
+def _function(i: int, tool: object) -> tuple[Function, bool]:
+    """A tool's function and whether it asks for ``strict`` arguments."""
     where = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise InvalidInputError(f'{where}: expected {{"type": "function", "function": {{...}}}}')
+        raise InvalidInputError(
+            f'{where}: expected {{"type": "function", "function": {{...}}}}', param=where
+        )
+    refuse_unknown(where, tool, _TOOL_KEYS)
     spec = tool.get("function")
     if not isinstance(spec, dict):
-        raise InvalidInputError(f"{where}.function: expected an object with a name")
-    name, description = spec.get("name"), spec.get("description") or ""
-    if not isinstance(name, str):
-        raise InvalidInputError(f"{where}.function.name: expected a string")
-    if not isinstance(description, str):
-        raise InvalidInputError(f"{where}.function.description: expected a string")
-    parameters = spec.get("parameters")
+        raise InvalidInputError(
+            f"{where}.function: expected an object with a name", param=f"{where}.function"
+        )
+    where += ".function"
+    refuse_unknown(where, spec, _FUNCTION_KEYS)
+    name, description = spec.get("name"), spec.get("description")
+    strict, parameters = spec.get("strict"), spec.get("parameters")
+    description = "" if description is None else description
+    if not isinstance(name, str) or not isinstance(description, str):
+        key = "description" if isinstance(name, str) else "name"
+        raise InvalidInputError(f"{where}.{key}: expected a string", param=f"{where}.{key}")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidInputError(f"{where}.strict: expected a boolean", param=f"{where}.strict")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise InvalidInputError(f"{where}.function.parameters: expected a JSON schema object")
-    return Function(name, description, parameters)
+        raise InvalidInputError(
+            f"{where}.parameters: expected a JSON schema object", param=f"{where}.parameters"
+        )
+    return Function(name, description, parameters), bool(strict)
 
 
 def _choice(choice: object, has_tools: bool) -> tuple[str, str]:
@@ -64,62 +99,24 @@ def _choice(choice: object, has_tools: bool) -> tuple[str, str]:
         if choice not in ("none", "auto", "required"):
             raise InvalidInputError(
                 f"tool_choice={choice[:40]!r}: must be 'none', 'auto', 'required' or "
-                '{"type": "function", "function": {"name": ...}}'
+                '{"type": "function", "function": {"name": ...}}',
+                param="tool_choice",
             )
         return choice, ""
     function = choice.get("function") if isinstance(choice, dict) else None
-    name = function.get("name") if isinstance(function, dict) else None
     if (
         not isinstance(choice, dict)
         or choice.get("type") != "function"
-        or not isinstance(name, str)
+        or not isinstance(function, dict)
+        or not isinstance(function.get("name"), str)
     ):
         raise InvalidInputError(
-            'tool_choice: expected a string or {"type": "function", "function": {"name": ...}}'
+            'tool_choice: expected a string or {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
         )
-    return "function", name
-
-
-def message_tool_fields(i: int, message: dict[str, Any], out: ChatMessage) -> None:
-    """Copies an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` (and
-    ``name``) from ``message`` into ``out``, checking their shapes."""
-    raw = message.get("tool_calls")
-    if raw is not None:
-        if message.get("role") != "assistant" or not isinstance(raw, list):
-            raise InvalidInputError(
-                f"messages[{i}].tool_calls: expected a list, on an assistant message"
-            )
-        out["tool_calls"] = [
-            _history_call(f"messages[{i}].tool_calls[{j}]", c) for j, c in enumerate(raw)
-        ]
-    if message.get("role") == "tool":
-        call_id = message.get("tool_call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise InvalidInputError(f"messages[{i}].tool_call_id: required on a tool message")
-        out["tool_call_id"] = call_id
-    name = message.get("name")
-    if message.get("role") == "tool" and isinstance(name, str):
-        out["name"] = name
-
-
-def _history_call(where: str, call: object) -> ToolCall:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(call, dict) or not isinstance(function, dict):
-        raise InvalidInputError(f'{where}: expected {{"id", "type": "function", "function"}}')
-    name, arguments, call_id = function.get("name"), function.get("arguments"), call.get("id")
-    if not isinstance(name, str) or not name:
-        raise InvalidInputError(f"{where}.function.name: expected a string")
-    if not isinstance(call_id, str):
-        raise InvalidInputError(f"{where}.id: expected a string")
-    if not isinstance(arguments, str):
-        raise InvalidInputError(f"{where}.function.arguments: expected JSON text (a string)")
-    try:
-        parsed = json.loads(arguments)
-    except ValueError as exc:
-        raise InvalidInputError(f"{where}.function.arguments: not valid JSON: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise InvalidInputError(f"{where}.function.arguments: expected a JSON object")
-    return ToolCall(name, arguments, id=call_id)
+    refuse_unknown("tool_choice", choice, _TOOL_KEYS)
+    refuse_unknown("tool_choice.function", function, frozenset({"name"}))
+    return "function", str(function["name"])
 
 
 def tool_calls_json(calls: list[ToolCall]) -> list[dict[str, Any]]:

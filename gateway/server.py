@@ -12,7 +12,7 @@ import structlog
 from canteen.auth import ApiKeys, AuthenticationError, Principal
 from canteen.codec import sampling_from_request
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from gateway.errors import InvalidInputError, status_of
+from gateway.errors import InvalidInputError, clip, status_of
 from gateway.limits import RateLimitedError
 from gateway.service import GenerateInput, InferenceService, TextDelta, choose_request_id
 from gateway.tools import (
@@ -20,6 +20,7 @@ from gateway.tools import (
     Function,
     ToolCall,
     ToolRequest,
+    check_message,
     check_tools,
     with_tool_constraint,
 )
@@ -45,7 +46,8 @@ def _call_from_pb(call: inference_pb2.ToolCall, where: str) -> ToolCall:
 
 
 def messages_from_pb(messages: inference_pb2.ChatMessages) -> list[ChatMessage]:
-    """Chat messages with their calls (arguments checked to be JSON objects)."""
+    """Chat messages with their calls (arguments checked to be JSON objects); calls only on
+    an assistant's, a call id only (and always) on a tool's."""
     out: list[ChatMessage] = []
     for i, m in enumerate(messages.messages):
         message: ChatMessage = {"role": m.role, "content": m.content}
@@ -56,7 +58,7 @@ def messages_from_pb(messages: inference_pb2.ChatMessages) -> list[ChatMessage]:
             ]
         if m.tool_call_id:
             message["tool_call_id"] = m.tool_call_id
-        out.append(message)
+        out.append(check_message(i, message))
     return out
 
 
@@ -71,8 +73,31 @@ def _json_object(text: str, name: str, empty: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+def _check_choice(msg: inference_pb2.GenerateRequest) -> None:
+    """Refuses what the choice would otherwise leave unread: an enum number this server does
+    not know, ``tool_function`` without TOOL_CHOICE_FUNCTION, ``parallel_tool_calls``
+    without tools."""
+    if msg.tool_choice not in _CHOICES and msg.tool_choice != inference_pb2.TOOL_CHOICE_UNSPECIFIED:
+        known = ", ".join(inference_pb2.ToolChoice.Name(n) for n in _CHOICES)
+        raise InvalidInputError(
+            f"tool_choice={msg.tool_choice}: not a known ToolChoice (known: {known})",
+            param="tool_choice",
+        )
+    if msg.tool_function and msg.tool_choice != inference_pb2.TOOL_CHOICE_FUNCTION:
+        raise InvalidInputError(
+            f"tool_function={clip(msg.tool_function)}: only with tool_choice "
+            "TOOL_CHOICE_FUNCTION (it names the function that must be called)",
+            param="tool_function",
+        )
+    if msg.HasField("parallel_tool_calls") and not msg.tools:
+        raise InvalidInputError(
+            "parallel_tool_calls: only allowed when tools are given", param="parallel_tool_calls"
+        )
+
+
 def tools_from_pb(msg: inference_pb2.GenerateRequest) -> ToolRequest | None:
     """The request's tools; None when it has none and forces nothing."""
+    _check_choice(msg)
     if not msg.tools and msg.tool_choice == inference_pb2.TOOL_CHOICE_UNSPECIFIED:
         return None
     functions = tuple(

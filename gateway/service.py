@@ -33,12 +33,17 @@ from gateway.screen import Screen, StreamScreen, screen_prompt
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from gateway.tokenizers import TemplateError, Tokenizer, TokenizerCache
 from gateway.tool_parsers import ToolStream
-from gateway.tools import ChatMessage, ToolCall, ToolRequest, parameters_constraint
+from gateway.tools import (
+    ChatMessage,
+    ToolCall,
+    ToolRequest,
+    check_role,
+    parameters_constraint,
+)
 
 log = get_logger(__name__)
 tracer = get_tracer("canteen.gateway")
 
-ROLES = ("system", "user", "assistant", "tool")
 UNSET_MAX_TOKENS_RESERVE = 512  # tokens a request without max_tokens reserves for its answer
 
 
@@ -463,12 +468,6 @@ def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> Te
     )
 
 
-def _clip(value: object, limit: int = 64) -> str:
-    """``repr(value)`` cut to ``limit`` characters, for error messages that echo input."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _check_messages(
     messages: Sequence[Mapping[str, object]], max_messages: int, max_chars: int
 ) -> None:
@@ -480,11 +479,7 @@ def _check_messages(
         )
     total = 0
     for i, message in enumerate(messages):
-        if message.get("role") not in ROLES:
-            raise InvalidInputError(
-                f"messages[{i}].role={_clip(message.get('role'))}: must be one of "
-                f"{', '.join(ROLES)}"
-            )
+        check_role(i, message.get("role"))
         total += len(str(message.get("content", "")))
     if total > max_chars:
         raise InvalidInputError(f"messages have {total} characters; the limit is {max_chars}")

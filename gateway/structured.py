@@ -3,7 +3,8 @@
 ``response_format`` is OpenAI's (``text``, ``json_object``, ``json_schema``); ``guided_json``,
 ``guided_regex``, ``guided_choice`` and ``guided_grammar`` are the request extensions vLLM
 users know. A request may carry one of them. What the grammar engine makes of the text is
-checked later, with the model's tokenizer (canteen/grammar.py).
+checked later, with the model's tokenizer (canteen/grammar.py). A key this module does not
+read (``response_format.json_schema.description``, say) is refused naming its path.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ import json
 from typing import Any
 
 from canteen.plan import Constraint
-from gateway.errors import InvalidInputError
+from gateway.errors import InvalidInputError, clip, refuse_unknown
 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar"}
 CONSTRAINT_FIELDS = frozenset({"response_format", "guided_choice", *_GUIDED})
+_FORMAT_KEYS = {
+    "text": frozenset({"type"}),
+    "json_object": frozenset({"type"}),
+    "json_schema": frozenset({"type", "json_schema"}),
+}
+# OpenAI's json_schema keys but ``description``, which OpenAI shows the model and this server
+# would not: it is refused rather than dropped. ``name`` only labels the schema.
+_JSON_SCHEMA_KEYS = frozenset({"name", "schema", "strict"})
 
 
 def constraint_from_body(body: dict[str, Any]) -> Constraint | None:
@@ -34,34 +43,51 @@ def _parse(name: str, value: object) -> Constraint | None:
         return _response_format(value)
     if name == "guided_choice":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise InvalidInputError("guided_choice: expected a list of strings")
+            raise InvalidInputError(
+                "guided_choice: expected a list of strings", param="guided_choice"
+            )
         return Constraint("choice", choices=tuple(value))
     if name == "guided_json":
         return Constraint("json_schema", text=_schema_text(name, value))
     if not isinstance(value, str):
-        raise InvalidInputError(f"{name}: expected a string, got {type(value).__name__}")
+        raise InvalidInputError(
+            f"{name}: expected a string, got {type(value).__name__}", param=name
+        )
     return Constraint(_GUIDED[name], text=value)
 
 
 def _response_format(value: object) -> Constraint | None:
     if not isinstance(value, dict):
-        raise InvalidInputError("response_format: expected an object with a type")
+        raise InvalidInputError(
+            "response_format: expected an object with a type", param="response_format"
+        )
     kind = value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidInputError(
+            f"response_format.type={clip(kind)}: must be 'text', 'json_object' or 'json_schema'",
+            param="response_format.type",
+        )
+    # json_schema only goes with its own type: elsewhere it would be dropped
+    refuse_unknown("response_format", value, _FORMAT_KEYS[kind])
     if kind == "text":
         return None
     if kind == "json_object":
         return Constraint("json_object")
-    if kind != "json_schema":
-        raise InvalidInputError(
-            f"response_format.type={kind!r}: must be 'text', 'json_object' or 'json_schema'"
-        )
+    where = "response_format.json_schema"
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise InvalidInputError("response_format.json_schema: expected an object with a schema")
+        raise InvalidInputError(f"{where}: expected an object with a schema", param=where)
+    refuse_unknown(where, spec, _JSON_SCHEMA_KEYS)
     if "schema" not in spec:
-        raise InvalidInputError("response_format.json_schema.schema: required")
+        raise InvalidInputError(f"{where}.schema: required", param=f"{where}.schema")
+    for key, kinds in (("name", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kinds):
+            raise InvalidInputError(
+                f"{where}.{key}: expected a {kinds.__name__}, got {type(spec[key]).__name__}",
+                param=f"{where}.{key}",
+            )
     # strict or not, the schema is enforced: a constrained output always validates
-    text = _schema_text("response_format.json_schema.schema", spec["schema"])
+    text = _schema_text(f"{where}.schema", spec["schema"])
     return Constraint("json_schema", text=text)
 
 
@@ -69,5 +95,5 @@ def _schema_text(name: str, schema: object) -> str:
     if isinstance(schema, str):
         return schema
     if not isinstance(schema, dict | bool):
-        raise InvalidInputError(f"{name}: expected a JSON schema object")
+        raise InvalidInputError(f"{name}: expected a JSON schema object", param=name)
     return json.dumps(schema, separators=(",", ":"))

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NotRequired, Required, TypedDict
 
 from canteen.plan import Constraint, Sampling
-from gateway.errors import InvalidInputError
+from gateway.errors import InvalidInputError, clip
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required", "function")
+ROLES = ("system", "user", "assistant", "tool")
 # Compact JSON under the grammar: no whitespace loops for a model to get lost in, and the
 # separators OpenAI's own outputs use.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -93,6 +94,35 @@ class ChatMessage(TypedDict, total=False):
     tool_calls: NotRequired[list[ToolCall]]  # an assistant's calls, in the history
     tool_call_id: NotRequired[str]  # the call a role "tool" message answers
     name: NotRequired[str]  # the function a role "tool" message answers (optional)
+
+
+def check_role(i: int, role: object) -> str:
+    """``role`` when it is one a chat message may have; raises naming ``messages[i].role``."""
+    if role not in ROLES:
+        raise InvalidInputError(
+            f"messages[{i}].role={clip(role)}: must be one of {', '.join(ROLES)}",
+            param=f"messages[{i}].role",
+        )
+    return str(role)
+
+
+def check_message(i: int, message: ChatMessage) -> ChatMessage:
+    """``message`` when its fields fit its role: calls only on an assistant's, a call id
+    (required) and a function name only on a tool's; raises naming the field."""
+    role, where = check_role(i, message["role"]), f"messages[{i}]"
+    only = {"tool_calls": "assistant", "tool_call_id": "tool", "name": "tool"}
+    for key, owner in only.items():
+        if key in message and role != owner:
+            raise InvalidInputError(
+                f"{where}.{key}: only on a {owner!r} message, not on a {role!r} one",
+                param=f"{where}.{key}",
+            )
+    if role == "tool" and not message.get("tool_call_id"):
+        raise InvalidInputError(
+            f"{where}.tool_call_id: required on a tool message (the id of the call it answers)",
+            param=f"{where}.tool_call_id",
+        )
+    return message
 
 
 def check_tools(request: ToolRequest) -> ToolRequest:

@@ -55,8 +55,9 @@ with _instrumented():
     from gateway.config import GatewayConfig
     from gateway.errors import InvalidInputError
     from gateway.openai_api import MAX_N, parse_request
-    from gateway.service import ROLES, GenerateInput, InferenceService
+    from gateway.service import GenerateInput, InferenceService
     from gateway.tokenizers import TemplateError, Tokenizer
+    from gateway.tools import ROLES
 
 CONFIG = GatewayConfig()
 FIELDS = (

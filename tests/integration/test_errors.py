@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import httpx
 import pytest
 
 from canteen.v1 import inference_pb2
@@ -35,6 +36,17 @@ BAD = [
         "top_p=0.0: must be in (0, 1]",
     ),
     (dict(prompt="hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p=1.5"),
+    # Tool fields the choice would leave unread, and an enum number the server does not know
+    (
+        dict(prompt="hi", tool_function="f"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tool_function='f': only with tool_choice TOOL_CHOICE_FUNCTION",
+    ),
+    (
+        dict(prompt="hi", tool_choice=9),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "tool_choice=9: not a known ToolChoice",
+    ),
     (
         dict(prompt="hi", top_k=-1),
         grpc.StatusCode.INVALID_ARGUMENT,
@@ -72,6 +84,23 @@ def test_bad_input_is_refused(
             call()
         assert info.value.code() == code
         assert message in info.value.details()
+
+
+def test_temperature_past_two_is_refused_alike_over_grpc_and_http(suite: TinySuite) -> None:
+    message = "temperature=3.0: must be in [0, 2]"
+    request = inference_pb2.GenerateRequest(model="tiny", prompt="hi", temperature=3)
+    for call in (
+        lambda: list(suite.inference.Generate(request, timeout=30)),
+        lambda: suite.inference.Complete(request, timeout=30),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == message
+    body = {"model": "tiny", "prompt": "hi", "temperature": 3}
+    reply = httpx.post(f"{suite.gateway.http_url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 400
+    assert reply.json()["error"]["message"] == message
 
 
 def test_bad_chat_role_is_refused(suite: TinySuite) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -185,6 +186,22 @@ def test_unsupported_features_are_refused_not_ignored(client: openai.OpenAI) -> 
         model="tiny", messages=chat, max_tokens=2, presence_penalty=0, frequency_penalty=0
     )
     assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_nested_keys_the_server_does_not_read_are_refused_with_their_path(
+    client: openai.OpenAI,
+) -> None:
+    named: list[Any] = [{"role": "user", "content": "Hi", "name": "bob"}]
+    with pytest.raises(openai.BadRequestError, match="not supported on a 'user' message") as info:
+        client.chat.completions.create(model="tiny", messages=named, max_tokens=2)
+    assert info.value.param == "messages[0].name"
+    hello: Any = HELLO
+    options: Any = {"include_usage": True, "chunk_size": 4}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model="tiny", messages=hello, max_tokens=2, stream=True, stream_options=options
+        )
+    assert info.value.param == "stream_options.chunk_size"
 
 
 def test_the_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
