@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
+
 from canteen.v1 import inference_pb2
 from tests.e2e.conftest import SmolSuite
+
+pytestmark = pytest.mark.e2e
 
 PARAGRAPH = (
     "Canteen is an inference service. It takes prompts, queues them, batches them on the fly, "

@@ -6,9 +6,12 @@ from __future__ import annotations
 from typing import Literal
 
 import openai
+import pytest
 from pydantic import BaseModel
 
 from tests.e2e.conftest import SmolSuite
+
+pytestmark = pytest.mark.e2e
 
 
 class City(BaseModel):
