@@ -91,3 +91,20 @@ def test_without_a_compiler_the_worker_keeps_pure_torch(tmp_path: Path) -> None:
     assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
     assert "CPU kernels unavailable; using the pure-torch path" in done.stdout + done.stderr
     assert list(tmp_path.glob("*.so")) == []
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_skinny_linear_is_the_bfloat16_matmul(rows: int) -> None:
+    """One or two rows through Canteen's kernel: float32 sums of bfloat16 products, like
+    oneDNN's, so the outputs agree up to the rounding of a differently ordered sum."""
+    from worker.quant import SKINNY_ROWS, PackedLinear
+
+    torch.manual_seed(2)
+    weight = (torch.randn(200, 72) * 0.1).to(torch.bfloat16)  # 72: not a multiple of 32
+    bias = torch.randn(200).to(torch.bfloat16)
+    x = torch.randn(rows, 72).to(torch.bfloat16)
+    want = (x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)
+    got = torch.ops.canteen.skinny_linear(x, weight, bias)
+    torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # at most one bfloat16 step
+    assert rows <= SKINNY_ROWS
+    assert torch.equal(PackedLinear(weight, bias)(x), got)  # the layer takes this path

@@ -14,8 +14,13 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -145,14 +150,62 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
+// sum(x[i] * w[i]) over bfloat16 vectors, accumulated in float32 (what a oneDNN bfloat16
+// matmul does; only the order of the sum differs).
+inline float dot_bf16(const at::BFloat16* x, const at::BFloat16* w, int64_t n) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX512BF16__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    const __m512i xv = _mm512_loadu_si512(reinterpret_cast<const void*>(x + i));
+    const __m512i wv = _mm512_loadu_si512(reinterpret_cast<const void*>(w + i));
+    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(xv), reinterpret_cast<__m512bh>(wv));
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  float rest = 0.f;
+#pragma omp simd reduction(+ : rest)
+  for (int64_t j = i; j < n; ++j) rest += static_cast<float>(x[j]) * static_cast<float>(w[j]);
+  return s + rest;
+}
+
+// x [M, K] @ w[N, K]^T (+ bias) for the few rows of a decode step: every weight is read once
+// from its plain row-major layout while the M rows stay in cache.
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "skinny_linear: bfloat16 x and w");
+  const auto xc = x.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t rows = xc.size(0), k = xc.size(1), n = wc.size(0);
+  auto out = at::empty({rows, n}, xc.options());
+  std::vector<float> b(n, 0.f);
+  if (bias.has_value() && bias->defined()) {
+    const auto bc = bias->to(at::kFloat).contiguous();
+    std::memcpy(b.data(), bc.data_ptr<float>(), n * sizeof(float));
+  }
+  const auto* xp = xc.data_ptr<at::BFloat16>();
+  const auto* wp = wc.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t r = 0; r < rows; ++r)
+        op[r * n + j] = static_cast<at::BFloat16>(dot_bf16(xp + r * k, wp + j * k, k) + b[j]);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(canteen, m) {
   m.def("paged_decode(Tensor q, Tensor pool, Tensor slots, Tensor lens, float scale) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) {
   m.impl("paged_decode", &paged_decode);
   m.impl("rms_norm", &rms_norm);
+  m.impl("skinny_linear", &skinny_linear);
 }
