@@ -106,7 +106,11 @@ def matmul_flops(
 
 
 def _tensor_bytes(obj: object) -> int:
-    return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
+    """A linear's weights as one step reads them: a bfloat16 PackedLinear keeps a plain copy
+    beside the packed one for steps of one or two rows, but any step reads only one."""
+    return sum(
+        v.nbytes for k, v in vars(obj).items() if isinstance(v, torch.Tensor) and k != "plain"
+    )
 
 
 def weight_bytes(loaded: LoadedModel) -> int:

@@ -108,6 +108,11 @@ class _KernelNorm(nn.Module):
         return torch.ops.canteen.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
 
 
+# Up to this many tokens the fused SiLU gate wins (two fewer ops); above, torch's vectorized
+# exp beats its scalar one (batch 16 measured here: 97 us a layer against 47).
+FUSED_GATE_ROWS = 4
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin, in four ops
     instead of seven: rotate_half(x) * sin == swap_halves(x) * signed_sin, where signed_sin
@@ -139,6 +144,11 @@ class Layer:
         self.k_norm: nn.Module | None = _norm(getattr(attn, "k_norm", None))
         self.act: nn.Module = mlp.act_fn  # type: ignore[assignment]
         self.shape = shape
+        # Canteen's CPU kernels (worker/kernels/) for rotary and the SiLU gate, where they
+        # compute exactly what the torch ops below do.
+        norm_weight: torch.Tensor = hf.input_layernorm.weight  # type: ignore[union-attr,assignment]
+        self.fused = norm_weight.is_cpu and kernels.available()
+        self.fused_act = self.fused and type(self.act).__name__ in ("SiLUActivation", "SiLU")
 
     def __call__(
         self,
@@ -151,7 +161,11 @@ class Layer:
         s, tokens = self.shape, x.shape[0]
         qkv = self.qkv(self.input_norm(x))
         q_end, k_end = s.heads * s.head_dim, (s.heads + s.kv_heads) * s.head_dim
-        if self.q_norm is None or self.k_norm is None:
+        if (self.q_norm is None or self.k_norm is None) and self.fused:
+            heads = qkv.view(tokens, -1, s.head_dim)
+            q = torch.ops.canteen.rotary(heads, s.heads, cos, sin)
+            k = torch.ops.canteen.rotary(heads[:, s.heads :], s.kv_heads, cos, sin)
+        elif self.q_norm is None or self.k_norm is None:
             qk = _rotate(qkv[:, :k_end].view(tokens, -1, s.head_dim), cos, sin)
             q, k = qk[:, : s.heads], qk[:, s.heads :]
         else:
@@ -160,8 +174,12 @@ class Layer:
         v = qkv[:, k_end:].view(tokens, -1, s.head_dim)
         out = self.o(paged_attention(pool, q, k, v, batch, s.scale))
         x = x + (out if s.residual == 1.0 else out * s.residual)
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        out = self.down(self.act(gate) * up)
+        gate_up = self.gate_up(self.post_norm(x))
+        if self.fused_act and tokens <= FUSED_GATE_ROWS:
+            out = self.down(torch.ops.canteen.silu_mul(gate_up))
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            out = self.down(self.act(gate) * up)
         return x + (out if s.residual == 1.0 else out * s.residual)
 
 

@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from worker import kernels
 from worker.attention import DecodeGroup
-from worker.paged_attention import _decode, _decode_torch
+from worker.paged_attention import _decode
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C++ compiler here")
 
@@ -38,6 +38,17 @@ def _group(tables: list[list[int]], lens: list[int]) -> DecodeGroup:
     )
 
 
+def _kernel(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+    """The rows of ``group`` in the order of its index, as paged_attention writes them."""
+    out = torch.full((q.shape[0] + 1, q.shape[1] * q.shape[2]), 7.0, dtype=q.dtype)
+    slots = group.slots.view(len(group.lens), -1)
+    index = group.index + 1  # rows of a bigger step: the kernel writes only these
+    padded = torch.cat([torch.zeros_like(q[:1]), q])
+    torch.ops.canteen.paged_decode_into(out, padded, pool, slots, group.lens, index, 0.25)
+    assert torch.all(out[0] == 7.0)
+    return out[1:]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -46,8 +57,8 @@ def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype) -> Non
     # rows of different lengths, tables in any block order, the last one a partial block
     group = _group([[3, 7, 1], [5], [11, 2, 9, 4]], [11, 2, 16])
     q = torch.randn(3, heads, dim).to(dtype)
-    got = _decode(pool, q, group, 0.25)
-    want = _decode_torch(pool, q, group, 0.25)
+    got = _kernel(pool, q, group)
+    want = _decode(pool, q, group, 0.25)
     assert got.dtype == dtype and got.shape == (3, heads * dim)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: one output rounding
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
@@ -56,14 +67,21 @@ def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype) -> Non
     for row, n in enumerate(group.lens.tolist()):
         used[group.slots.view(3, -1)[row, :n]] = True
     pool[:, :, ~used] = 1e4
-    assert torch.equal(_decode(pool, q, group, 0.25), got)
+    assert torch.equal(_kernel(pool, q, group), got)
 
 
-def test_paged_decode_refuses_lengths_past_the_table() -> None:
-    pool = torch.zeros(2, 1, 8, 4)
-    with pytest.raises(RuntimeError, match="lens out of range"):
-        torch.ops.canteen.paged_decode(
-            torch.zeros(1, 1, 4), pool, torch.zeros(1, 2, dtype=torch.long), torch.tensor([3]), 1.0
+@pytest.mark.parametrize(
+    ("lens", "rows", "error"),
+    [([3], [0], "lens out of range"), ([2], [1], "rows out of range"), ([2], [0], "slots out")],
+)
+def test_paged_decode_refuses_indices_out_of_range(
+    lens: list[int], rows: list[int], error: str
+) -> None:
+    pool, out = torch.zeros(2, 1, 8, 4), torch.zeros(1, 4)
+    slots = torch.tensor([[0, 8]])  # slot 8 is past the pool's 8
+    with pytest.raises(RuntimeError, match=error):
+        torch.ops.canteen.paged_decode_into(
+            out, torch.zeros(1, 1, 4), pool, slots, torch.tensor(lens), torch.tensor(rows), 1.0
         )
 
 
@@ -108,3 +126,28 @@ def test_skinny_linear_is_the_bfloat16_matmul(rows: int) -> None:
     torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # at most one bfloat16 step
     assert rows <= SKINNY_ROWS
     assert torch.equal(PackedLinear(weight, bias)(x), got)  # the layer takes this path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> None:
+    """The fused rotary and SiLU gate give worker/model.py's torch ops' values: rotary bit for
+    bit (the same products and sum, each rounded to the dtype), the gate within an ulp of
+    float32's exp (then rounded to the dtype, where bfloat16 absorbs it)."""
+    from worker.model import _rotate
+
+    torch.manual_seed(3)
+    tokens, heads, kv_heads, dim = 5, 6, 2, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    cos, sin = torch.randn(tokens, 1, dim).to(dtype), torch.randn(tokens, 1, dim).to(dtype)
+    view = qkv.view(tokens, -1, dim)
+    want = _rotate(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+    q = torch.ops.canteen.rotary(view, heads, cos, sin)
+    k = torch.ops.canteen.rotary(view[:, heads:], kv_heads, cos, sin)
+    assert torch.equal(q, want[:, :heads]) and torch.equal(k, want[:, heads:])
+    gate_up = (torch.randn(tokens, 2 * 40) * 3).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = torch.ops.canteen.silu_mul(gate_up)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, torch.nn.functional.silu(gate) * up)
+    else:
+        torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-6)

@@ -2,7 +2,7 @@
 
 ``torch.ops.canteen.paged_decode`` and ``torch.ops.canteen.rms_norm`` replace the decode
 step's many small ops (worker/paged_attention.py, worker/model.py). The library is compiled
-once per source, torch version and CPU (``-march=native``: a library built for one machine's
+once per source, flags, torch version and CPU (``-march=native``: a library built for one machine's
 vector units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's
 ``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``),
 and a worker that finds none builds it under a file lock, so concurrent workers build once.
@@ -29,6 +29,8 @@ from canteen.logging import get_logger
 log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("canteen_ops.cpp")
+# -ffp-contract=off: no fused multiply-adds, so a * b + c rounds as torch's two ops round it.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 600
 
 
@@ -50,7 +52,8 @@ def _cpu_signature() -> str:
 
 def library_path() -> Path:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode()):
+    parts = (SOURCE.read_bytes(), " ".join(FLAGS), torch.__version__, _cpu_signature())
+    for part in (p if isinstance(p, bytes) else p.encode() for p in parts):
         digest.update(part)
     return kernel_dir() / f"canteen_ops-{digest.hexdigest()[:16]}.so"
 
@@ -61,7 +64,7 @@ def _compile_command(out: Path) -> list[str]:
     libs = cpp_extension.library_paths()
     return [
         os.environ.get("CXX", "g++"),
-        *("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"),
+        *FLAGS,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
         str(SOURCE),

@@ -1,13 +1,17 @@
 // Canteen's CPU kernels: the decode-step work that torch only offers as many small ops.
 //
-//   canteen::paged_decode  attention of one new token per row over that row's paged KV
-//                          slots, read in place from the pool (no per-layer gather copies,
-//                          no float32 copies of the keys, one op instead of about twenty)
-//   canteen::rms_norm      transformers' RMSNorm in one pass (it is eight ops there)
+//   canteen::paged_decode_into  attention of one new token per row over that row's paged
+//                               KV slots, read in place from the pool (no per-layer gather
+//                               copies, no float32 copies of the keys), written into the
+//                               step's output rows: one op instead of about twenty
+//   canteen::rms_norm           transformers' RMSNorm in one pass (eight ops there)
+//   canteen::silu_mul           the MLP's gate, silu(gate) * up, in one pass
+//   canteen::rotary             rotary on q or k straight out of the fused QKV output
+//   canteen::skinny_linear      bfloat16 x @ w^T for one or two rows, near read bandwidth
 //
-// Both accumulate in float32 like the ops they replace. worker/kernels/__init__.py builds
-// this file with the machine's own compiler and loads it; without it the worker keeps its
-// pure-torch path.
+// All of them compute in float32 and round where the ops they replace round.
+// worker/kernels/__init__.py builds this file with the machine's own compiler and loads it;
+// without it the worker keeps its pure-torch path.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -75,42 +79,114 @@ void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots
     for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(acc[h * dim + d] / total[h]);
 }
 
-// q [B, heads, D]; pool [2, kv_heads, slots, D] (one layer); slots [B, W]; lens [B] <= W.
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& pool, const at::Tensor& slots,
-                        const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && pool.dim() == 4 && slots.dim() == 2 && lens.dim() == 1,
-              "paged_decode: q [B, H, D], pool [2, KVH, S, D], slots [B, W], lens [B]");
-  TORCH_CHECK(pool.scalar_type() == q.scalar_type(), "paged_decode: q and pool dtypes differ");
-  TORCH_CHECK(pool.is_contiguous() && slots.scalar_type() == at::kLong &&
-                  lens.scalar_type() == at::kLong,
-              "paged_decode: a contiguous pool and int64 slots and lens");
-  const auto qc = q.contiguous();
+// Decode attention of rows[b] for b < B, written into out[rows[b]]: q [T, heads, D] (the
+// step's queries), pool [2, kv_heads, slots, D] (one layer), slots [B, W], lens [B] <= W.
+void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& pool,
+                       const at::Tensor& slots, const at::Tensor& lens, const at::Tensor& rows,
+                       double scale) {
+  TORCH_CHECK(q.dim() == 3 && pool.dim() == 4 && slots.dim() == 2 && lens.dim() == 1 &&
+                  rows.dim() == 1 && out.dim() == 2,
+              "paged_decode: out [T, H * D], q [T, H, D], pool [2, KVH, S, D], slots [B, W], "
+              "lens [B], rows [B]");
+  TORCH_CHECK(pool.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "paged_decode: q, pool and out dtypes differ");
+  TORCH_CHECK(pool.is_contiguous() && q.is_contiguous() && out.is_contiguous() &&
+                  slots.scalar_type() == at::kLong && lens.scalar_type() == at::kLong &&
+                  rows.scalar_type() == at::kLong,
+              "paged_decode: contiguous q, pool and out, int64 slots, lens and rows");
   const auto sc = slots.contiguous();
   const auto lc = lens.contiguous();
-  const int64_t rows = qc.size(0), heads = qc.size(1), dim = qc.size(2);
+  const auto rc = rows.contiguous();
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = pool.size(1), num_slots = pool.size(2), width = sc.size(1);
-  TORCH_CHECK(pool.size(3) == dim && heads % kv_heads == 0 && sc.size(0) == rows &&
-                  lc.size(0) == rows,
+  const int64_t batch = sc.size(0);
+  TORCH_CHECK(pool.size(3) == dim && heads % kv_heads == 0 && lc.size(0) == batch &&
+                  rc.size(0) == batch && out.size(0) == tokens && out.size(1) == heads * dim,
               "paged_decode: shapes disagree");
   const int64_t group = heads / kv_heads;
-  auto out = at::empty({rows, heads * dim}, qc.options());
   const int64_t* slot_ptr = sc.data_ptr<int64_t>();
   const int64_t* len_ptr = lc.data_ptr<int64_t>();
-  for (int64_t b = 0; b < rows; ++b)
+  const int64_t* row_ptr = rc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= width, "paged_decode: lens out of range");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "paged_decode", [&] {
-    const scalar_t* qp = qc.data_ptr<scalar_t>();
+    TORCH_CHECK(row_ptr[b] >= 0 && row_ptr[b] < tokens, "paged_decode: rows out of range");
+    for (int64_t j = 0; j < len_ptr[b]; ++j)
+      TORCH_CHECK(slot_ptr[b * width + j] >= 0 && slot_ptr[b * width + j] < num_slots,
+                  "paged_decode: slots out of range");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = pool.data_ptr<scalar_t>();
     const scalar_t* vp = kp + kv_heads * num_slots * dim;
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const int64_t b = task / kv_heads, g = task % kv_heads;
-        const int64_t head = g * group;
-        decode_one<scalar_t>(qp + (b * heads + head) * dim, kp + g * num_slots * dim,
-                             vp + g * num_slots * dim, slot_ptr + b * width, len_ptr[b], group,
-                             dim, static_cast<float>(scale), op + (b * heads + head) * dim);
+        const int64_t at_q = (row_ptr[b] * heads + g * group) * dim;
+        decode_one<scalar_t>(qp + at_q, kp + g * num_slots * dim, vp + g * num_slots * dim,
+                             slot_ptr + b * width, len_ptr[b], group, dim,
+                             static_cast<float>(scale), op + at_q);
       }
+    });
+  });
+}
+
+// transformers' SiLU-gated MLP input: silu(x[:, :I]) * x[:, I:], each op rounded to x's
+// dtype as torch rounds it.
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: x [T, 2 * I]");
+  const auto xc = x.contiguous();
+  const int64_t rows = xc.size(0), inner = xc.size(1) / 2;
+  auto out = at::empty({rows, inner}, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "silu_mul", [&] {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* gate = xp + r * 2 * inner;
+        const scalar_t* up = gate + inner;
+        for (int64_t i = 0; i < inner; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const auto act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+          op[r * inner + i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Rotary on the first `heads` heads of x [T, >= heads, D] (a view into the QKV output), as
+// worker/model.py's _rotate: x * cos + swap_halves(x) * signed_sin, each op rounded like
+// torch's; returns [T, heads, D].
+at::Tensor rotary(const at::Tensor& x, int64_t heads, const at::Tensor& cos,
+                  const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && heads <= x.size(1), "rotary: x [T, n, D]");
+  const int64_t tokens = x.size(0), dim = x.size(2), half = dim / 2;
+  const auto cc = cos.reshape({tokens, dim}).contiguous();
+  const auto sc = signed_sin.reshape({tokens, dim}).contiguous();
+  TORCH_CHECK(cc.scalar_type() == x.scalar_type() && sc.scalar_type() == x.scalar_type(),
+              "rotary: cos and sin in x's dtype");
+  auto out = at::empty({tokens, heads, dim}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    using T = scalar_t;
+    const T* xp = x.data_ptr<T>();
+    const T* cp = cc.data_ptr<T>();
+    const T* sp = sc.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t s0 = x.stride(0), s1 = x.stride(1);
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* in = xp + t * s0 + h * s1;
+          T* o = op + (t * heads + h) * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            const T swapped = in[d < half ? d + half : d - half];
+            const auto a = static_cast<T>(static_cast<float>(in[d]) * static_cast<float>(cp[t * dim + d]));
+            const auto b = static_cast<T>(static_cast<float>(swapped) * static_cast<float>(sp[t * dim + d]));
+            o[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+          }
+        }
     });
   });
   return out;
@@ -199,13 +275,19 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
 }  // namespace
 
 TORCH_LIBRARY(canteen, m) {
-  m.def("paged_decode(Tensor q, Tensor pool, Tensor slots, Tensor lens, float scale) -> Tensor");
+  m.def(
+      "paged_decode_into(Tensor(a!) out, Tensor q, Tensor pool, Tensor slots, Tensor lens, "
+      "Tensor rows, float scale) -> ()");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor x, int heads, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) {
-  m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_into", &paged_decode_into);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary", &rotary);
   m.impl("rms_norm", &rms_norm);
   m.impl("skinny_linear", &skinny_linear);
 }
