@@ -77,10 +77,12 @@ class DenseLinear:
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-# Up to this many rows, a bfloat16 step reads the weights through Canteen's kernel: measured
-# here (AMD EPYC Zen 4, 2 threads, SmolLM2's 121 linears cycled so they come from memory) 1.4-1.5x
-# faster than oneDNN at one and two rows, even at four, slower above.
-SKINNY_ROWS = 2
+# Up to this many rows, a bfloat16 step reads the weights through Canteen's kernel (each
+# weight row loaded once for all rows). Measured here (AMD EPYC Zen 4, two threads, whole
+# SmolLM2 decode steps, alternating, median ms): 1 row 15-16 against oneDNN's 22-27, 2 rows
+# 14-17 / 22-26, 3 rows 17-22 / 22-25, 4-5 rows about even (5: 23-32 / 28-41), 6 and 8 rows
+# slower (31-44 / 29-36). Five rows is one stream verifying four drafts.
+SKINNY_ROWS = 5
 
 
 def row_bucket(rows: int) -> int:
@@ -101,8 +103,9 @@ class PackedLinear:
         # corrupts the heap).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.bias = bias
-        # bfloat16 steps of one or two rows read the weights faster through Canteen's own
-        # kernel (worker/kernels/), which wants them plain: kept beside the packed copy.
+        # bfloat16 steps of a few rows read the weights faster through Canteen's own kernel
+        # (worker/kernels/, up to SKINNY_ROWS), which wants them plain: kept beside the
+        # packed copy.
         self.plain = (
             weight.contiguous() if weight.dtype == torch.bfloat16 and kernels.available() else None
         )

@@ -7,7 +7,7 @@
 //   canteen::rms_norm           transformers' RMSNorm in one pass (eight ops there)
 //   canteen::silu_mul           the MLP's gate, silu(gate) * up, in one pass
 //   canteen::rotary             rotary on q or k straight out of the fused QKV output
-//   canteen::skinny_linear      bfloat16 x @ w^T for one or two rows, near read bandwidth
+//   canteen::skinny_linear      bfloat16 x @ w^T for a few rows, near read bandwidth
 //
 // All of them compute in float32 and round where the ops they replace round.
 // worker/kernels/__init__.py builds this file with the machine's own compiler and loads it;
@@ -226,24 +226,35 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// sum(x[i] * w[i]) over bfloat16 vectors, accumulated in float32 (what a oneDNN bfloat16
-// matmul does; only the order of the sum differs).
-inline float dot_bf16(const at::BFloat16* x, const at::BFloat16* w, int64_t n) {
+constexpr int64_t kMaxSkinnyRows = 8;
+
+// out[r] = sum_i x[r][i] * w[i] for `rows` (<= 8) bfloat16 rows of x against one weight row,
+// accumulated in float32 (what a oneDNN bfloat16 matmul does; only the sum's order differs).
+// The weight row is loaded once per 32 elements for all rows, each row its own accumulator.
+inline void dots_bf16(const at::BFloat16* x, int64_t rows, int64_t x_stride,
+                      const at::BFloat16* w, int64_t n, float* out) {
   int64_t i = 0;
-  float s = 0.f;
 #if defined(__AVX512BF16__)
-  __m512 acc = _mm512_setzero_ps();
+  __m512 acc[kMaxSkinnyRows];
+  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   for (; i + 32 <= n; i += 32) {
-    const __m512i xv = _mm512_loadu_si512(reinterpret_cast<const void*>(x + i));
-    const __m512i wv = _mm512_loadu_si512(reinterpret_cast<const void*>(w + i));
-    acc = _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(xv), reinterpret_cast<__m512bh>(wv));
+    const auto wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + i));
+    for (int64_t r = 0; r < rows; ++r) {
+      const auto xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * x_stride + i));
+      acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
+    }
   }
-  s = _mm512_reduce_add_ps(acc);
+  for (int64_t r = 0; r < rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+  for (int64_t r = 0; r < rows; ++r) out[r] = 0.f;
 #endif
-  float rest = 0.f;
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* xr = x + r * x_stride;
+    float rest = 0.f;
 #pragma omp simd reduction(+ : rest)
-  for (int64_t j = i; j < n; ++j) rest += static_cast<float>(x[j]) * static_cast<float>(w[j]);
-  return s + rest;
+    for (int64_t j = i; j < n; ++j) rest += static_cast<float>(xr[j]) * static_cast<float>(w[j]);
+    out[r] += rest;
+  }
 }
 
 // x [M, K] @ w[N, K]^T (+ bias) for the few rows of a decode step: every weight is read once
@@ -252,6 +263,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
               "skinny_linear: bfloat16 x and w");
+  TORCH_CHECK(x.size(0) <= kMaxSkinnyRows, "skinny_linear: at most 8 rows");
   const auto xc = x.contiguous();
   const auto wc = w.contiguous();
   const int64_t rows = xc.size(0), k = xc.size(1), n = wc.size(0);
@@ -265,9 +277,11 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   const auto* wp = wc.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j)
-      for (int64_t r = 0; r < rows; ++r)
-        op[r * n + j] = static_cast<at::BFloat16>(dot_bf16(xp + r * k, wp + j * k, k) + b[j]);
+    float sums[kMaxSkinnyRows];
+    for (int64_t j = begin; j < end; ++j) {
+      dots_bf16(xp, rows, k, wp + j * k, k, sums);
+      for (int64_t r = 0; r < rows; ++r) op[r * n + j] = static_cast<at::BFloat16>(sums[r] + b[j]);
+    }
   });
   return out;
 }
