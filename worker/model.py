@@ -84,18 +84,21 @@ def _fused_linear(
 _RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "GraniteRMSNorm")
 
 
+def _uses_kernels(weight: torch.Tensor) -> bool:
+    """Whether a model whose weights live where ``weight`` does runs Canteen's CPU kernels."""
+    return weight.is_cpu and kernels.available()
+
+
 @overload
-def _norm(module: nn.Module) -> nn.Module: ...
+def _norm(module: nn.Module, fused: bool) -> nn.Module: ...
 @overload
-def _norm(module: None) -> None: ...
-def _norm(module: nn.Module | None) -> nn.Module | None:
-    """transformers' RMSNorm ``module``, or the same computation in Canteen's one-pass CPU
-    kernel (worker/kernels/) when it is loaded and the weights are on the CPU."""
-    if module is None or type(module).__name__ not in _RMS_NORMS:
+def _norm(module: None, fused: bool) -> None: ...
+def _norm(module: nn.Module | None, fused: bool) -> nn.Module | None:
+    """transformers' RMSNorm ``module``, or with ``fused`` (Canteen's CPU kernels loaded, the
+    weights on the CPU) the same computation in the one-pass kernel."""
+    if not fused or module is None or type(module).__name__ not in _RMS_NORMS:
         return module
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
-    if weight.device.type != "cpu" or not kernels.available():
-        return module
     return _KernelNorm(weight.detach(), float(module.variance_epsilon))  # type: ignore[arg-type]
 
 
@@ -138,16 +141,16 @@ class Layer:
         self.o = fused(attn, "self_attn", ["o"])
         self.gate_up = fused(mlp, "mlp", ["gate", "up"])
         self.down = fused(mlp, "mlp", ["down"])
-        self.input_norm = _norm(hf.input_layernorm)  # type: ignore[arg-type]
-        self.post_norm = _norm(hf.post_attention_layernorm)  # type: ignore[arg-type]
-        self.q_norm: nn.Module | None = _norm(getattr(attn, "q_norm", None))
-        self.k_norm: nn.Module | None = _norm(getattr(attn, "k_norm", None))
+        # Canteen's CPU kernels (worker/kernels/) for the norms, rotary and the SiLU gate,
+        # where they compute exactly what the torch ops below do.
+        norm_weight: torch.Tensor = hf.input_layernorm.weight  # type: ignore[union-attr,assignment]
+        self.fused = _uses_kernels(norm_weight)
+        self.input_norm = _norm(hf.input_layernorm, self.fused)  # type: ignore[arg-type]
+        self.post_norm = _norm(hf.post_attention_layernorm, self.fused)  # type: ignore[arg-type]
+        self.q_norm: nn.Module | None = _norm(getattr(attn, "q_norm", None), self.fused)
+        self.k_norm: nn.Module | None = _norm(getattr(attn, "k_norm", None), self.fused)
         self.act: nn.Module = mlp.act_fn  # type: ignore[assignment]
         self.shape = shape
-        # Canteen's CPU kernels (worker/kernels/) for rotary and the SiLU gate, where they
-        # compute exactly what the torch ops below do.
-        norm_weight: torch.Tensor = hf.input_layernorm.weight  # type: ignore[union-attr,assignment]
-        self.fused = norm_weight.is_cpu and kernels.available()
         self.fused_act = self.fused and type(self.act).__name__ in ("SiLUActivation", "SiLU")
 
     def __call__(
@@ -161,16 +164,16 @@ class Layer:
         s, tokens = self.shape, x.shape[0]
         qkv = self.qkv(self.input_norm(x))
         q_end, k_end = s.heads * s.head_dim, (s.heads + s.kv_heads) * s.head_dim
-        if (self.q_norm is None or self.k_norm is None) and self.fused:
+        if self.q_norm is not None and self.k_norm is not None:
+            q = _rotate(self.q_norm(qkv[:, :q_end].view(tokens, -1, s.head_dim)), cos, sin)
+            k = _rotate(self.k_norm(qkv[:, q_end:k_end].view(tokens, -1, s.head_dim)), cos, sin)
+        elif self.fused:
             heads = qkv.view(tokens, -1, s.head_dim)
             q = torch.ops.canteen.rotary(heads, s.heads, cos, sin)
             k = torch.ops.canteen.rotary(heads[:, s.heads :], s.kv_heads, cos, sin)
-        elif self.q_norm is None or self.k_norm is None:
+        else:
             qk = _rotate(qkv[:, :k_end].view(tokens, -1, s.head_dim), cos, sin)
             q, k = qk[:, : s.heads], qk[:, s.heads :]
-        else:
-            q = _rotate(self.q_norm(qkv[:, :q_end].view(tokens, -1, s.head_dim)), cos, sin)
-            k = _rotate(self.k_norm(qkv[:, q_end:k_end].view(tokens, -1, s.head_dim)), cos, sin)
         v = qkv[:, k_end:].view(tokens, -1, s.head_dim)
         out = self.o(paged_attention(pool, q, k, v, batch, s.scale))
         x = x + (out if s.residual == 1.0 else out * s.residual)
@@ -203,7 +206,8 @@ class FastModel:
         )
         body = hf.model
         self.embed = body.embed_tokens.weight.detach()
-        self.rotary, self.norm = body.rotary_emb, _norm(body.norm)
+        self.rotary = body.rotary_emb
+        self.norm = _norm(body.norm, _uses_kernels(body.norm.weight))
         self.layers = [
             Layer(layer, f"model.layers.{i}", self.shape, quantization, q4)
             for i, layer in enumerate(body.layers)

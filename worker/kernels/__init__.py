@@ -1,13 +1,13 @@
 """Canteen's C++ CPU kernels (canteen_ops.cpp), built with the machine's compiler and loaded.
 
-``torch.ops.canteen.paged_decode`` and ``torch.ops.canteen.rms_norm`` replace the decode
-step's many small ops (worker/paged_attention.py, worker/model.py). The library is compiled
-once per source, flags, torch version and CPU (``-march=native``: a library built for one machine's
-vector units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's
-``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``),
-and a worker that finds none builds it under a file lock, so concurrent workers build once.
-Without a compiler, or with ``CANTEEN_KERNELS=0``, the worker keeps the pure-torch path and
-logs why.
+The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
+``skinny_linear``) replace many small ops of a decode step (worker/paged_attention.py,
+worker/model.py, worker/quant.py). The library is compiled once per source, flags, torch
+version and CPU (``-march=native``: a build for one machine's vector units must not run on
+another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's ``share/canteen-kernels``;
+``make install`` builds it ahead (``python -m worker.kernels``), and a worker that finds none
+builds it under a file lock, so concurrent workers build once. Without a compiler, or with
+``CANTEEN_KERNELS=0``, the worker keeps the pure-torch path and logs why.
 """
 
 from __future__ import annotations

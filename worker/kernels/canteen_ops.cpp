@@ -196,7 +196,7 @@ at::Tensor rotary(const at::Tensor& x, int64_t heads, const at::Tensor& cos,
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: weight [hidden]");
   const auto xc = x.contiguous();
-  const auto wc = weight.contiguous();
+  const auto wf = weight.to(at::kFloat).contiguous();
   const int64_t hidden = xc.size(-1), rows = xc.numel() / hidden;
   auto out = at::empty(xc.sizes(), xc.options().dtype(at::promote_types(x.scalar_type(), weight.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
@@ -205,10 +205,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       using o_t = scalar_t;
       const x_t* xp = xc.data_ptr<x_t>();
       o_t* op = out.data_ptr<o_t>();
-      std::vector<float> wf(hidden);
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, wc.scalar_type(), "rms_norm_w", [&] {
-        to_float(wc.data_ptr<scalar_t>(), wf.data(), hidden);
-      });
+      const float* wp = wf.data_ptr<float>();
       at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> row(hidden);
         for (int64_t r = begin; r < end; ++r) {
@@ -217,7 +214,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
           for (int64_t i = 0; i < hidden; ++i) {
             // the normed value is rounded to x's dtype before the weight multiplies it
             const float n = static_cast<float>(static_cast<x_t>(row[i] * inv));
-            op[r * hidden + i] = static_cast<o_t>(wf[i] * n);
+            op[r * hidden + i] = static_cast<o_t>(wp[i] * n);
           }
         }
       });
