@@ -1,13 +1,14 @@
-"""Canteen's C++ CPU kernels (canteen_ops.cpp), built with the machine's compiler and loaded.
+"""Canteen's C++ CPU kernels (canteen_ops.cpp, lowbit.cpp), built with the machine's own
+compiler and loaded.
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
-``skinny_linear``) replace many small ops of a decode step (worker/paged_attention.py,
-worker/model.py, worker/quant.py). The library is compiled once per source, flags, torch
-version and CPU (``-march=native``: a build for one machine's vector units must not run on
-another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's ``share/canteen-kernels``;
-``make install`` builds it ahead (``python -m worker.kernels``), and a worker that finds none
-builds it under a file lock, so concurrent workers build once. Without a compiler, or with
-``CANTEEN_KERNELS=0``, the worker keeps the pure-torch path and logs why.
+``skinny_linear``, ``quant_linear``) replace many small ops of a decode step
+(worker/paged_attention.py, worker/model.py, worker/quant.py). The library is compiled once
+per source, flags, torch version and CPU (``-march=native``: a build for one machine's vector
+units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's
+``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``), and
+a worker that finds none builds it under a file lock, so concurrent workers build once. Without
+a compiler, or with ``CANTEEN_KERNELS=0``, the worker keeps the pure-torch path and logs why.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from canteen.logging import get_logger
 
 log = get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("canteen_ops.cpp")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "canteen_ops.cpp", HERE / "lowbit.cpp")  # compiled together, one library
+HEADERS = (HERE / "common.h",)
 # -ffp-contract=off: no fused multiply-adds, so a * b + c rounds as torch's two ops round it.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 600
@@ -52,22 +55,23 @@ def _cpu_signature() -> str:
 
 def library_path() -> Path:
     digest = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), " ".join(FLAGS), torch.__version__, _cpu_signature())
-    for part in (p if isinstance(p, bytes) else p.encode() for p in parts):
-        digest.update(part)
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    for text in (" ".join(FLAGS), torch.__version__, _cpu_signature()):
+        digest.update(text.encode())
     return kernel_dir() / f"canteen_ops-{digest.hexdigest()[:16]}.so"
 
 
-def _compile_command(out: Path) -> list[str]:
+def _compile_command(out: Path, flags: tuple[str, ...] = FLAGS) -> list[str]:
     abi = int(torch.compiled_with_cxx11_abi())
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libs = cpp_extension.library_paths()
     return [
         os.environ.get("CXX", "g++"),
-        *FLAGS,
+        *flags,
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *includes,
-        str(SOURCE),
+        *(str(p) for p in SOURCES),
         *(f"-L{p}" for p in libs),
         *(f"-Wl,-rpath,{p}" for p in libs),
         *("-lc10", "-ltorch_cpu", "-ltorch"),
@@ -112,3 +116,10 @@ def available() -> bool:
         log.warning("CPU kernels unavailable; using the pure-torch path", error=str(exc)[-500:])
         return False
     return True
+
+
+@cache
+def quant_vectorized() -> bool:
+    """Whether ``quant_linear`` runs vectorized here (AVX512-VNNI, or AVX2): without, it is a
+    plain loop and torch's low-bit kernels are faster."""
+    return available() and bool(torch.ops.canteen.quant_vectorized())

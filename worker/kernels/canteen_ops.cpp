@@ -9,14 +9,19 @@
 //   canteen::rotary             rotary on q or k straight out of the fused QKV output
 //   canteen::skinny_linear      bfloat16 x @ w^T for a few rows, near read bandwidth
 //
+// lowbit.cpp adds canteen::quant_linear (4- and 8-bit weights, int8 activations).
+//
 // All of them compute in float32 and round where the ops they replace round.
-// worker/kernels/__init__.py builds this file with the machine's own compiler and loads it;
+// worker/kernels/__init__.py builds the kernels with the machine's own compiler and loads it;
 // without it the worker keeps its pure-torch path.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "common.h"
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -28,18 +33,9 @@
 
 namespace {
 
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+using canteen::dot;
+using canteen::kMaxSkinnyRows;
+using canteen::to_float;
 
 // One (row, kv head): the G query heads that share it, over the row's first `len` slots.
 template <typename T>
@@ -223,8 +219,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-constexpr int64_t kMaxSkinnyRows = 8;
-
 // out[r] = sum_i x[r][i] * w[i] for `rows` (<= 8) bfloat16 rows of x against one weight row,
 // accumulated in float32 (what a oneDNN bfloat16 matmul does; only the sum's order differs).
 // The weight row is loaded once per 32 elements for all rows, each row its own accumulator.
@@ -282,6 +276,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::op
   });
   return out;
 }
+
 
 }  // namespace
 
