@@ -106,8 +106,12 @@ def matmul_flops(
 
 
 def _tensor_bytes(obj: object) -> int:
-    """A linear's weights as one step reads them: a bfloat16 PackedLinear keeps a plain copy
-    beside the packed one for steps of one or two rows, but any step reads only one."""
+    """A linear's weights as a one-row step reads them: a bfloat16 PackedLinear keeps a plain
+    copy beside the packed one, and an int8 or int4 layer a copy in quant_linear's layout
+    beside torch's; any step reads only one of the two (a one-row step the second)."""
+    packed = getattr(obj, "packed", None)
+    if packed is not None:
+        return int(packed.weights.nbytes + packed.scales.nbytes)
     return sum(
         v.nbytes for k, v in vars(obj).items() if isinstance(v, torch.Tensor) and k != "plain"
     )

@@ -87,10 +87,10 @@ inline int32_t four(const int8_t* xq, int64_t at) {
 constexpr bool kVectorized = true;
 
 // out[r][0..16) for one block of 16 weight rows against every row of x.
-template <int Bits>
+template <int Bits, int Rows>
 void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float (*out)[kBlock]) {
-  __m512 acc[kMaxSkinnyRows];
-  for (int64_t r = 0; r < x.rows; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[Rows];
+  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < x.groups; ++g, w += kGroupBytes<Bits>, scales += 2 * kBlock) {
     __m512i u[8];  // chunk c's weights meet activations 4c..4c+3
@@ -106,7 +106,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
     const auto* sp = reinterpret_cast<const __m256i*>(scales);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(sp));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(sp + 1));
-    for (int64_t r = 0; r < x.rows; ++r) {
+    for (int r = 0; r < Rows; ++r) {
       const int8_t* xq = x.q.data() + r * x.k + g * kGroup;
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
       for (int c = 0; c < 8; c += 2) {
@@ -119,7 +119,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
       acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.xsum[at]), acc[r]);
     }
   }
-  for (int64_t r = 0; r < x.rows; ++r) _mm512_storeu_ps(out[r], acc[r]);
+  for (int r = 0; r < Rows; ++r) _mm512_storeu_ps(out[r], acc[r]);
 }
 
 #elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -128,10 +128,10 @@ constexpr bool kVectorized = true;
 // Two 8-lane halves per block. u8 x s8 pairs are summed in int16 by maddubs, which saturates
 // at 32767: 4-bit pairs (2 * 15 * 128) never reach it; 8-bit ones (2 * 255 * 128) can, so
 // 8-bit weights are widened to int16 first and multiplied with madd.
-template <int Bits>
+template <int Bits, int Rows>
 void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float (*out)[kBlock]) {
-  __m256 acc[kMaxSkinnyRows][2];
-  for (int64_t r = 0; r < x.rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[Rows][2];
+  for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int64_t g = 0; g < x.groups; ++g, w += kGroupBytes<Bits>, scales += 2 * kBlock) {
     for (int h = 0; h < 2; ++h) {
@@ -148,7 +148,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
       const auto* sp = reinterpret_cast<const __m128i*>(scales + 8 * h);
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(sp));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(sp + 2));
-      for (int64_t r = 0; r < x.rows; ++r) {
+      for (int r = 0; r < Rows; ++r) {
         const int8_t* xq = x.q.data() + r * x.k + g * kGroup;
         __m256i sum = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
@@ -170,7 +170,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
       }
     }
   }
-  for (int64_t r = 0; r < x.rows; ++r) {
+  for (int r = 0; r < Rows; ++r) {
     _mm256_storeu_ps(out[r], acc[r][0]);
     _mm256_storeu_ps(out[r] + 8, acc[r][1]);
   }
@@ -181,11 +181,11 @@ constexpr bool kVectorized = false;
 
 // A plain loop, kept for correctness on CPUs without either (the worker then prefers torch's
 // kernels, see quant_vectorized).
-template <int Bits>
+template <int Bits, int Rows>
 void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float (*out)[kBlock]) {
-  for (int64_t r = 0; r < x.rows; ++r) std::fill(out[r], out[r] + kBlock, 0.f);
+  for (int r = 0; r < Rows; ++r) std::fill(out[r], out[r] + kBlock, 0.f);
   for (int64_t g = 0; g < x.groups; ++g, w += kGroupBytes<Bits>, scales += 2 * kBlock) {
-    for (int64_t r = 0; r < x.rows; ++r) {
+    for (int r = 0; r < Rows; ++r) {
       const int8_t* xq = x.q.data() + r * x.k + g * kGroup;
       const int64_t at = r * x.groups + g;
       for (int64_t lane = 0; lane < kBlock; ++lane) {
@@ -207,6 +207,13 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
   }
 }
 #endif
+
+// Rows is a template argument so the accumulators live in registers.
+using BlockFn = void (*)(const uint8_t*, const at::Half*, const Q8Rows&, float (*)[kBlock]);
+template <int Bits>
+constexpr BlockFn kBlockDots[kMaxSkinnyRows] = {
+    block_dots<Bits, 1>, block_dots<Bits, 2>, block_dots<Bits, 3>, block_dots<Bits, 4>,
+    block_dots<Bits, 5>, block_dots<Bits, 6>, block_dots<Bits, 7>, block_dots<Bits, 8>};
 
 // x [M, K] (M <= 8) @ the weight [N, K]^T (+ bias): packed [ceil(N / 16), K / 32, 256 or 512]
 // uint8 (4 or 8 bits), scales [ceil(N / 16), K / 32, 2, 16] float16.
@@ -233,21 +240,18 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
     std::memcpy(b.data(), bc.data_ptr<float>(), n * sizeof(float));
   }
   auto out = at::empty({rows, n}, xc.options());
+  if (rows == 0) return out;
   const bool four_bits = pc.size(2) == 256;
   const uint8_t* pp = pc.data_ptr<uint8_t>();
   const at::Half* sp = sc.data_ptr<at::Half>();
   const int64_t block_bytes = pc.size(1) * pc.size(2), block_scales = sc.size(1) * 2 * kBlock;
+  const BlockFn dots = (four_bits ? kBlockDots<4> : kBlockDots<8>)[rows - 1];
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_linear_out", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
       float sums[kMaxSkinnyRows][kBlock];
       for (int64_t blk = begin; blk < end; ++blk) {
-        const uint8_t* w = pp + blk * block_bytes;
-        if (four_bits) {
-          block_dots<4>(w, sp + blk * block_scales, q8, sums);
-        } else {
-          block_dots<8>(w, sp + blk * block_scales, q8, sums);
-        }
+        dots(pp + blk * block_bytes, sp + blk * block_scales, q8, sums);
         const int64_t first = blk * kBlock, count = std::min(kBlock, n - first);
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t lane = 0; lane < count; ++lane)
