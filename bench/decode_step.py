@@ -9,8 +9,9 @@ bandwidth) and the compute floor (2 x the linears' parameters x the step's token
 FLOP/s the configuration's own linear kernel reaches on a compute-bound GEMM of the model's
 gate-up shape at 256 rows). The larger of the two is the one that binds.
 
-It also decodes the bench prompts greedily with every configuration and reports how many
-tokens match the float32 transformers forward before the first difference.
+It also decodes the bench prompts greedily with every configuration, batched and (the first
+``--agree-alone``) one at a time, and reports how many tokens match the float32 transformers
+forward and Canteen's bfloat16 one before the first difference.
 
 Usage: python bench/decode_step.py [--batches 1,16,32] [--rounds 3] [--steps 8]
 """
@@ -192,16 +193,24 @@ def setup(spec: str, path: Path, max_batch: int, room: int) -> Setup:
     return Setup(spec, loaded, runner, weight_bytes(loaded), linear_params(loaded.model.config))
 
 
-def agreement(setups: list[Setup], batch: list[list[int]], tokens: int) -> None:
+def agreement(setups: list[Setup], batch: list[list[int]], tokens: int, alone: int) -> None:
+    """Greedy tokens of the whole batch decoded together, then of its first ``alone`` prompts
+    one at a time (steps of one row: the path of a single stream, and of quant_linear)."""
+    refs = [setups[0].name, "fast:bfloat16:none"]
     outputs = {s.name: greedy(s.runner, batch, tokens) for s in setups}
-    refs = [setups[0].name] + [n for n in outputs if n == "fast:bfloat16:none"]
-    for name in refs:
-        _agreement(name, outputs, tokens)
+    for name in (n for n in refs if n in outputs):
+        _agreement(name, outputs, tokens, "batched")
+    if alone:
+        outputs = {
+            s.name: [greedy(s.runner, [p], tokens)[0] for p in batch[:alone]] for s in setups
+        }
+        for name in (n for n in refs if n in outputs):
+            _agreement(name, outputs, tokens, "one at a time")
 
 
-def _agreement(name: str, outputs: dict[str, list[list[int]]], tokens: int) -> None:
+def _agreement(name: str, outputs: dict[str, list[list[int]]], tokens: int, how: str) -> None:
     ref = outputs[name]
-    print(f"\nGreedy agreement with {name}, {len(ref)} prompts x {tokens} tokens (batched):")
+    print(f"\nGreedy agreement with {name}, {len(ref)} prompts x {tokens} tokens ({how}):")
     for s_name, got in outputs.items():
         firsts = [
             next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), tokens)
@@ -222,6 +231,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--agree-tokens", type=int, default=32)
+    parser.add_argument("--agree-alone", type=int, default=8, help="prompts also decoded alone")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
     path = default_model_path()
@@ -245,7 +255,7 @@ def main() -> None:
         s.flops = matmul_flops(s.loaded.dtype, s.loaded.quantization, shape)
         print(f"  {s.name:28s} linear kernel {s.flops / 1e9:6.0f} GFLOP/s at 256 rows")
     all_prompts = prompts(path, max(batches) * (args.rounds + 1))
-    agreement(setups, all_prompts[: max(batches)], args.agree_tokens)
+    agreement(setups, all_prompts[: max(batches)], args.agree_tokens, args.agree_alone)
     print("\nms per decode step (min, median of --steps), rounds in the order they ran:")
     for batch in batches:
         for rnd in range(args.rounds):

@@ -85,7 +85,8 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # weight row loaded once for all rows). Measured here (AMD EPYC Zen 4, two threads, whole
 # SmolLM2 decode steps, alternating, median ms): 1 row 15-16 against oneDNN's 22-27, 2 rows
 # 14-17 / 22-26, 3 rows 17-22 / 22-25, 4-5 rows about even (5: 23-32 / 28-41), 6 and 8 rows
-# slower (31-44 / 29-36). Five rows is one stream verifying four drafts.
+# slower (31-44 / 29-36); since the kernel keeps its accumulators in registers, one row is
+# about twice as fast again. Five rows is one stream verifying four drafts.
 SKINNY_ROWS = 5
 
 
