@@ -147,29 +147,6 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-class Int8Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        w = weight.float()
-        self.scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
-        self.weight = (w / self.scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
-        self.scales = self.scales.to(torch.bfloat16)
-        self.bias = None if bias is None else bias.to(torch.bfloat16)
-        # as groups: u = q + 128, d = the row's scale, m = -128 d (exact in float16)
-        self.packed = _fast_path(weight.shape[1], self._groups)
-
-    def _groups(self) -> GroupPacked:
-        groups = self.weight.shape[1] // GROUP_SIZE
-        d = self.scales.float().unsqueeze(1).expand(-1, groups)
-        u = (self.weight.to(torch.int16) + 128).to(torch.uint8)
-        return pack_groups(u, d, -128 * d, bits=8)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= QUANT_ROWS:
-            return self.packed(x, self.bias)
-        out = torch._weight_int8pack_mm(x, self.weight, self.scales)
-        return out if self.bias is None else out + self.bias
-
-
 # Up to this many rows, an int8 or int4 step goes through Canteen's quant_linear (int8
 # activations, integer dot products). Measured here (AMD EPYC Zen 4, two threads, one row,
 # weights in cache): SmolLM2's int4 layers at 34-47 GB/s of 4-bit weights against 14-16 GB/s
@@ -214,6 +191,29 @@ def _fast_path(k: int, pack: Callable[[], GroupPacked]) -> GroupPacked | None:
     """A second copy of the weights for quant_linear (+1x the low-bit weights in RAM), where it
     runs vectorized and the input splits into whole groups."""
     return pack() if k % GROUP_SIZE == 0 and kernels.quant_vectorized() else None
+
+
+class Int8Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w = weight.float()
+        self.scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
+        self.weight = (w / self.scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
+        self.scales = self.scales.to(torch.bfloat16)
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        # as groups: u = q + 128, d = the row's scale, m = -128 d (exact in float16)
+        self.packed = _fast_path(weight.shape[1], self._groups)
+
+    def _groups(self) -> GroupPacked:
+        groups = self.weight.shape[1] // GROUP_SIZE
+        d = self.scales.float().unsqueeze(1).expand(-1, groups)
+        u = (self.weight.to(torch.int16) + 128).to(torch.uint8)
+        return pack_groups(u, d, -128 * d, bits=8)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= QUANT_ROWS:
+            return self.packed(x, self.bias)
+        out = torch._weight_int8pack_mm(x, self.weight, self.scales)
+        return out if self.bias is None else out + self.bias
 
 
 class Int4Linear:
