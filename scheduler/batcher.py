@@ -157,7 +157,9 @@ class BatchScheduler:
         by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
         decoding = [s for s in by_importance if s.is_decoding_ahead]
         grants: dict[str, int] = {}
-        drafts = self.speculation.drafts_for(len(decoding))
+        drafts = self.speculation.drafts_for(
+            len(decoding), [s.drafting for s in decoding if self._draft_room(s) > 0]
+        )
         budget = self._run(decoding, budget, chosen, in_plan, grants, drafts)
         prefilling = [s for s in by_importance if not s.is_decoding_ahead]
         if chosen and self.cost is not None:
@@ -198,7 +200,10 @@ class BatchScheduler:
             if seq_id not in refused:
                 known = seq.num_computed + entry.num_tokens
                 # accepted drafts were computed too; their tokens arrive with this result
-                seq.num_computed = known + (max(made[seq_id] - 1, 0) if entry.drafts else 0)
+                accepted = max(made[seq_id] - 1, 0) if entry.drafts else 0
+                seq.num_computed = known + accepted
+                if entry.drafts:
+                    seq.drafting.observe(accepted)
                 self._commit_full_blocks(seq, known)
         events = [
             self._on_token(current[t.seq_id], t) for t in result.tokens if t.seq_id in current
@@ -226,7 +231,6 @@ class BatchScheduler:
         self.speculation.observe(
             len(plan.scheduled) if plan.kind == "decode" else 0,
             drafted,
-            len(result.tokens),
             _cycle_seconds(seconds, since) if drafted else seconds,
             result.num_draft_tokens,
             result.num_accepted_tokens,

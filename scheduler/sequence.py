@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from canteen.plan import Sampling
+from scheduler.speculation import DraftRecord
 
 
 class Status(enum.Enum):
@@ -69,6 +70,7 @@ class Sequence:
     is_refused: bool = False  # a worker refused its plan entry: it failed alone
     cache_salt: str = ""  # its prefix-cache tenant; "" shares with every other request
     allow_speculation: bool = True  # the request may verify draft tokens
+    drafting: DraftRecord = field(default_factory=DraftRecord)  # how its drafts hold
     # The key on the worker and in every table: made here, unique.
     seq_id: str = field(default_factory=new_seq_id)
     # Pipelined steps: what plans the worker has not answered yet will compute and sample.

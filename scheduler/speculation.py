@@ -1,38 +1,62 @@
-"""When draft tokens pay: a rule learned from the worker's own decode steps.
+"""When draft tokens pay: a rule learned from the worker's own decode steps and from each
+sequence's own drafts.
 
-Whether verifying drafts speeds a step up depends on the batch (a step's fixed cost, reading
-every weight once, dominates a small batch and hides the extra tokens; a big batch is
-compute-bound and pays for each), on how often drafts hold, and on what proposing costs (free
-for n-gram lookup, several forwards of a draft model). So the rule measures the one figure
-that matters: tokens made per second of decode-only steps, with and without drafts, per batch
-size (in powers of two). A drafting step's seconds include the round trip before it (the
-batcher builds no plan on top of one, so the worker waits for it); a step without drafts is
-pipelined and costs only its own time.
+A drafting step of B decoding sequences costs ``t_on`` seconds (verifying the drafts, a draft
+model's forwards, and the round trip: the batcher builds no plan on top of one, so the
+worker waits for it); a plain step costs ``t_off`` (pipelined: only its own time). Plain
+steps make B tokens; drafting steps make B plus the drafts that held. So drafts pay when the
+sequences' expected accepted drafts per step, averaged over the batch, exceed
+``t_on / t_off - 1``: the break-even, which grows with the batch (a small batch is bound by
+reading the weights and hides the extra rows; a big one pays for each).
 
-Each step takes the better of the two for its batch size. Both arms are first measured
-(without drafts first), then the worse one is tried again for a few steps after
-``EXPLORE_EVERY`` steps, and after twice as many each time it loses again (up to
-``MAX_EXPLORE_EVERY``). Drafts are not tried at a batch size while they lose at a smaller one:
-each verified token costs a bigger batch more, so they would lose there too. The first step
-after a switch is not measured: turning drafts on costs a draft model with a pool of its own
-its catch-up on every sequence, once, not per step. So the rule follows the load and the text
-at little cost: drafts turn off as the batch grows past where they pay and back on as it
-shrinks.
+The two figures come apart, and each is learned where it lives:
+- step times depend on the batch, the worker and the drafter, not on the text: measured per
+  batch size (in powers of two), as moving averages;
+- how many drafts hold depends on the text: each sequence keeps its own moving average of
+  the drafts accepted per drafting step (``DraftRecord``). One never measured counts as
+  ``PRIOR_SHARE`` of the drafts held, so a new request gets a few drafting steps to show
+  what its text does, whatever the requests before it did.
+
+Each step takes the better arm for its batch size. Both step times are first measured
+(without drafts first); then, after ``EXPLORE_EVERY`` steps, the arm that looks worse is
+tried for a few steps (which also refreshes every sequence's record), and after twice as
+many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``). Drafts are not tried at a
+batch size when the batch's expected acceptance is below a smaller size's break-even (a
+bigger batch's break-even is higher). The first step after a switch is not measured:
+turning drafts on costs a draft model with a pool of its own its catch-up on every
+sequence, once, not per step. So drafts turn off as the batch grows past where they pay, and
+back on as it shrinks or as a request whose drafts hold arrives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 EXPLORE_EVERY = 16  # steps of a batch size before the arm that looks worse is tried again
 MAX_EXPLORE_EVERY = 512
 TRY_STEPS = 3  # steps in a row of a tried arm (the first, the switch, is not measured)
-RATE_DECAY = 0.7  # weight an arm's estimate keeps per new measurement of it
+TIME_DECAY = 0.7  # weight a step-time estimate keeps per new measurement
+RECORD_DECAY = 0.5  # weight a sequence's acceptance keeps per drafting step
+PRIOR_SHARE = 0.5  # a sequence never measured: this share of its drafts expected to hold
+
+
+@dataclass
+class DraftRecord:
+    """One sequence's drafts: how many held per drafting step, lately (None: never tried)."""
+
+    accepted: float | None = None
+
+    def observe(self, accepted: int) -> None:
+        old = self.accepted
+        self.accepted = (
+            accepted if old is None else old * RECORD_DECAY + accepted * (1 - RECORD_DECAY)
+        )
 
 
 @dataclass
 class _Bucket:
-    rate: dict[bool, float] = field(default_factory=dict)  # drafts on/off -> tokens/s
+    seconds: dict[bool, float] = field(default_factory=dict)  # drafts on/off -> step time
     steps: int = 0  # since the last try of the worse arm
     explore_every: int = EXPLORE_EVERY
     trying: bool | None = None  # the arm being tried, for ``left`` more steps
@@ -43,15 +67,19 @@ class _Bucket:
         self.trying, self.left, self.steps = arm, TRY_STEPS - 1, 0
         return arm
 
-    def judge_try(self) -> None:
-        """The try is over: retry sooner if the tried arm won, later if it lost again."""
+    def judge_try(self, best: bool) -> None:
+        """The try is over: retry sooner if the tried arm now looks best, later if not."""
         arm, self.trying = self.trying, None
-        if arm is None or None in (self.rate.get(True), self.rate.get(False)):
-            return
-        lost = self.rate[arm] < self.rate[not arm]
+        lost = arm != best
         self.explore_every = (
             min(self.explore_every * 2, MAX_EXPLORE_EVERY) if lost else EXPLORE_EVERY
         )
+
+    @property
+    def break_even(self) -> float | None:
+        """Accepted drafts per sequence and step at which drafting steps pay for themselves."""
+        on, off = self.seconds.get(True), self.seconds.get(False)
+        return None if on is None or off is None else on / off - 1
 
 
 class SpeculationPolicy:
@@ -62,10 +90,10 @@ class SpeculationPolicy:
         self._buckets: dict[int, _Bucket] = {}
 
     def observe(
-        self, num_decodes: int, drafted: bool, made: int, seconds: float, drafts: int, accepted: int
+        self, num_decodes: int, drafted: bool, seconds: float, drafts: int, accepted: int
     ) -> None:
         """A decode-only step of ``num_decodes`` sequences (0 for any other step): whether it
-        verified drafts, the tokens it made and its time, and its draft counts."""
+        verified drafts, its time, and its draft counts."""
         self.num_draft_tokens += drafts
         self.num_accepted_tokens += accepted
         if num_decodes <= 0 or seconds <= 0 or self.num_tokens == 0:
@@ -74,44 +102,50 @@ class SpeculationPolicy:
         switched, bucket.last = bucket.last is not None and bucket.last != drafted, drafted
         if switched:
             return  # a switch's cost (a draft model's catch-up) is not the arm's
-        rate = made / seconds
-        old = bucket.rate.get(drafted)
-        bucket.rate[drafted] = rate if old is None else old * RATE_DECAY + rate * (1 - RATE_DECAY)
+        old = bucket.seconds.get(drafted)
+        bucket.seconds[drafted] = (
+            seconds if old is None else old * TIME_DECAY + seconds * (1 - TIME_DECAY)
+        )
 
-    def drafts_for(self, num_decodes: int) -> int:
-        """Draft tokens each decoding sequence may verify in a step of ``num_decodes``."""
+    def drafts_for(self, num_decodes: int, records: Iterable[DraftRecord] = ()) -> int:
+        """Draft tokens each decoding sequence may verify in a step of ``num_decodes``;
+        ``records``: those of the sequences that may verify drafts this step."""
         if self.num_tokens == 0 or num_decodes == 0:
             return 0
-        return self.num_tokens if self._choose(num_decodes) else 0
+        prior = self.num_tokens * PRIOR_SHARE
+        gain = sum(prior if r.accepted is None else r.accepted for r in records)
+        return self.num_tokens if self._choose(num_decodes, gain / num_decodes) else 0
 
-    def _choose(self, num_decodes: int) -> bool:
+    def _choose(self, num_decodes: int, expected: float) -> bool:
+        """Drafts or not for a batch whose sequences expect ``expected`` accepted drafts
+        each per drafting step."""
         size = num_decodes.bit_length()
         bucket = self._buckets.setdefault(size, _Bucket())
+        need = bucket.break_even
         if bucket.trying is not None:
             if bucket.left > 0:
                 bucket.left -= 1
                 return bucket.trying
-            bucket.judge_try()
-        on, off = bucket.rate.get(True), bucket.rate.get(False)
-        if off is None:
+            bucket.judge_try(need is not None and expected > need)
+        if bucket.seconds.get(False) is None:
             return bucket.start_try(False)  # measure each arm, the cheap one first
-        if on is None:
-            return False if self._lose_below(size) else bucket.start_try(True)
-        best = on >= off
+        if need is None:
+            return False if self._lose_below(size, expected) else bucket.start_try(True)
+        best = expected > need
         bucket.steps += 1
         if bucket.steps >= bucket.explore_every:
-            if not best and self._lose_below(size):
+            if not best and self._lose_below(size, expected):
                 bucket.steps = 0
                 return False
             return bucket.start_try(not best)
         return best
 
-    def _lose_below(self, size: int) -> bool:
-        """Drafts lose at a smaller batch size now: a bigger batch pays more per verified
-        token, so they would lose here too, and trying them here is not worth its cost."""
+    def _lose_below(self, size: int, expected: float) -> bool:
+        """Drafts would lose at a smaller batch size with this acceptance: a bigger batch's
+        break-even is higher, so trying them here is not worth its cost."""
         for smaller, bucket in self._buckets.items():
-            on, off = bucket.rate.get(True), bucket.rate.get(False)
-            if smaller < size and on is not None and off is not None and on < off:
+            need = bucket.break_even
+            if smaller < size and need is not None and expected <= need:
                 return True
         return False
 

@@ -23,7 +23,7 @@ from canteen.plan import (
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.sequence import Finish, Sequence
-from scheduler.speculation import SpeculationPolicy
+from scheduler.speculation import DraftRecord, SpeculationPolicy
 from tests.support import reference
 from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq, next_token
 from worker.draft import can_share_kv
@@ -166,16 +166,20 @@ def test_rejected_drafts_never_leak_a_block(
     assert sched.pool.num_free == num_blocks and not sched.running
 
 
-def _simulate(policy: SpeculationPolicy, n: int, steps: int, draft_cost: float) -> float:
-    """Decode steps of ``n`` sequences on a worker whose step costs 20 ms + 1.5 ms a token
-    (+ ``draft_cost`` when drafting) and where half the drafts hold; returns the share of
-    steps that drafted."""
+def _simulate(
+    policy: SpeculationPolicy, n: int, steps: int, draft_cost: float, hits: int = K // 2
+) -> float:
+    """Decode steps of ``n`` new sequences on a worker whose step costs 20 ms + 1.5 ms a
+    token (+ ``draft_cost`` when drafting) and where ``hits`` of each sequence's K drafts
+    hold; returns the share of steps that drafted."""
+    records = [DraftRecord() for _ in range(n)]
     drafted = 0
     for _ in range(steps):
-        k = policy.drafts_for(n)
-        made = n + n * k // 2
+        k = policy.drafts_for(n, records)
         seconds = 0.020 + 0.0015 * (n + n * k) + (draft_cost if k else 0.0)
-        policy.observe(n, k > 0, made, seconds, n * k, n * k // 2)
+        policy.observe(n, k > 0, seconds, n * k, n * min(hits, k))
+        for record in records if k else ():
+            record.observe(min(hits, k))
         drafted += k > 0
     return drafted / steps
 
@@ -189,7 +193,39 @@ def test_the_rule_turns_drafts_off_for_big_batches_and_on_again() -> None:
     # a draft model that costs 60 ms a step never pays, whatever the batch
     costly = SpeculationPolicy(K)
     assert _simulate(costly, 1, 128, 0.060) < 0.15
-    assert SpeculationPolicy(0).drafts_for(1) == 0
+    assert SpeculationPolicy(0).drafts_for(1, [DraftRecord()]) == 0
+
+
+def test_a_request_whose_drafts_hold_drafts_after_requests_whose_drafts_missed() -> None:
+    """One sequence at a time: requests whose drafts never hold teach the rule nothing about
+    the next request's text, so a request whose drafts hold drafts from its first steps (the
+    rule once kept one figure per batch size and turned drafts off for it too)."""
+    policy = SpeculationPolicy(K)
+    for _ in range(3):  # open-ended requests: no draft holds, drafts soon off
+        assert _simulate(policy, 1, 100, 0.0, hits=0) < 0.15
+    # 1 token in 21.5 ms against 1 + 4 in 27.5 ms: drafts that hold pay from the start
+    assert _simulate(policy, 1, 5, 0.0, hits=K) == 1.0
+    assert _simulate(policy, 1, 100, 0.0, hits=K) > 0.9
+    # a batch of 1 whose request may not draft (or is constrained) never drafts
+    assert policy.drafts_for(1, []) == 0
+
+
+def test_a_batch_drafts_by_its_sequences_average_acceptance() -> None:
+    """Eight sequences: drafting steps cost 2x here (break-even: one accepted draft per
+    sequence), so two sequences whose drafts all hold among six that miss (one a step on
+    average) do not pay, and six among two do."""
+    policy = SpeculationPolicy(K)
+    policy.observe(8, False, 0.010, 0, 0)
+    policy.observe(8, True, 0.020, 0, 0)  # a switch: not measured
+    policy.observe(8, True, 0.020, 0, 0)
+    few = [DraftRecord(float(K))] * 2 + [DraftRecord(0.0)] * 6
+    many = [DraftRecord(float(K))] * 6 + [DraftRecord(0.0)] * 2
+    assert policy.drafts_for(8, few) == 0
+    assert policy.drafts_for(8, many) == K
+    record = DraftRecord()
+    for accepted in (4, 0, 0, 0):
+        record.observe(accepted)
+    assert record.accepted == 0.5  # recent steps weigh most
 
 
 def test_ngram_proposals_follow_the_latest_earlier_occurrence() -> None:
