@@ -81,18 +81,32 @@ class DenseLinear:
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-# Up to this many rows, a bfloat16 step reads the weights through Canteen's kernel (each
-# weight row loaded once for all rows). Measured here (AMD EPYC Zen 4, two threads, whole
-# SmolLM2 decode steps, alternating, median ms): 1 row 15-16 against oneDNN's 22-27, 2 rows
-# 14-17 / 22-26, 3 rows 17-22 / 22-25, 4-5 rows about even (5: 23-32 / 28-41), 6 and 8 rows
-# slower (31-44 / 29-36); since the kernel keeps its accumulators in registers, one row is
-# about twice as fast again. Five rows is one stream verifying four drafts.
-SKINNY_ROWS = 5
+# Up to this many rows, a bfloat16 step reads the weights through Canteen's kernel
+# (worker/kernels/dense.cpp: each weight loaded once for all rows, 16 outputs per vector).
+# Measured here (AMD EPYC Zen 4, two threads, every linear of a SmolLM2 step, weights out of
+# cache, alternating, median ms): 1-3 rows at the memory's read speed like oneDNN's, 5 rows
+# 12-14 against the old per-row kernel's 21-25, 8 rows 12-17 against oneDNN's 18-24, 12 rows
+# 20-23 against 26-29; 16 rows 31-32 against 25-27, so oneDNN from 13 rows on. Each row's
+# sums do not depend on the other rows, so up to 12 rows a batch's outputs are each row's
+# alone. Five rows is one stream verifying four drafts.
+SKINNY_ROWS = 12
 
 
 def row_bucket(rows: int) -> int:
     """The smallest bucket holding ``rows`` (at most ROW_BUCKETS[-1])."""
     return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+LANES = 16  # output rows per block of skinny_linear's and quant_linear's layouts
+
+
+def pack_lanes(weight: torch.Tensor) -> torch.Tensor:
+    """skinny_linear's layout (worker/kernels/dense.cpp): [N, K] -> [ceil(N / 16),
+    ceil(K / 2), 16, 2], output rows in blocks of 16 lanes, each lane a pair of adjacent
+    weights of its row; zeros past N and K."""
+    n, k = weight.shape
+    padded = F.pad(weight, (0, k % 2, 0, -n % LANES))
+    return padded.view(-1, LANES, (k + 1) // 2, 2).transpose(1, 2).contiguous()
 
 
 class PackedLinear:
@@ -109,16 +123,19 @@ class PackedLinear:
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.bias = bias
         # bfloat16 steps of a few rows read the weights faster through Canteen's own kernel
-        # (worker/kernels/, up to SKINNY_ROWS), which wants them plain: kept beside the
-        # packed copy.
-        self.plain = (
-            weight.contiguous() if weight.dtype == torch.bfloat16 and kernels.available() else None
+        # (worker/kernels/dense.cpp, up to SKINNY_ROWS), in a layout of its own: kept beside
+        # the packed copy.
+        self.out_features = weight.shape[0]
+        self.lanes = (
+            pack_lanes(weight) if weight.dtype == torch.bfloat16 and kernels.available() else None
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, most = x.shape[0], ROW_BUCKETS[-1]
-        if rows <= SKINNY_ROWS and self.plain is not None:
-            out: torch.Tensor = torch.ops.canteen.skinny_linear(x, self.plain, self.bias)
+        if rows <= SKINNY_ROWS and self.lanes is not None:
+            out: torch.Tensor = torch.ops.canteen.skinny_linear(
+                x, self.lanes, self.out_features, self.bias
+            )
             return out
         if rows > most:
             return torch.cat([self(x[lo : lo + most]) for lo in range(0, rows, most)])
@@ -152,7 +169,6 @@ def can_pack(weight: torch.Tensor) -> bool:
 # weights in cache): SmolLM2's int4 layers at 34-47 GB/s of 4-bit weights against 14-16 GB/s
 # for torch's int4 kernel.
 QUANT_ROWS = 8
-LANES = 16  # output rows per block of quant_linear's layout
 
 
 @dataclass(frozen=True)

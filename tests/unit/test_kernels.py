@@ -115,22 +115,60 @@ def test_without_a_compiler_the_worker_keeps_pure_torch(tmp_path: Path) -> None:
     assert list(tmp_path.glob("*.so")) == []
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_skinny_linear_is_the_bfloat16_matmul(rows: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [(1, 200, 72), (2, 200, 72), (5, 200, 72), (3, 7, 9), (8, 333, 576), (12, 50, 40), (4, 16, 2)],
+)
+def test_skinny_linear_is_the_bfloat16_matmul(rows: int, n: int, k: int) -> None:
     """A few rows through Canteen's kernel: float32 sums of bfloat16 products, like
-    oneDNN's, so the outputs agree up to the rounding of a differently ordered sum."""
-    from worker.quant import SKINNY_ROWS, PackedLinear
+    oneDNN's, so the outputs agree up to the rounding of a differently ordered sum. N not a
+    multiple of 16 (nor of the blocks the kernel takes at once) and an odd K included."""
+    from worker.quant import SKINNY_ROWS, PackedLinear, pack_lanes
 
     torch.manual_seed(2)
-    weight = (torch.randn(200, 72) * 0.1).to(torch.bfloat16)  # 72: not a multiple of 32
-    bias = torch.randn(200).to(torch.bfloat16)
-    x = torch.randn(rows, 72).to(torch.bfloat16)
+    weight = (torch.randn(n, k) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
     want = (x.float() @ weight.float().T + bias.float()).to(torch.bfloat16)
-    got = torch.ops.canteen.skinny_linear(x, weight, bias)
+    got = torch.ops.canteen.skinny_linear(x, pack_lanes(weight), n, bias)
     torch.testing.assert_close(got, want, atol=0, rtol=2**-7)  # at most one bfloat16 step
+    plain = torch.ops.canteen.skinny_linear(x, pack_lanes(weight), n, None)
+    torch.testing.assert_close(
+        plain, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0, rtol=2**-7
+    )
     assert rows <= SKINNY_ROWS
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN packs bfloat16 on this CPU
         assert torch.equal(PackedLinear(weight, bias)(x), got)  # the layer takes this path
+
+
+def test_each_rows_outputs_are_its_own_whatever_the_batch() -> None:
+    """A row's sums do not depend on the rows beside it: a prompt decoded alone gets the
+    same bfloat16 outputs as in a batch of up to SKINNY_ROWS (oneDNN's differ by shape)."""
+    from worker.quant import SKINNY_ROWS, pack_lanes
+
+    torch.manual_seed(4)
+    weight, x = torch.randn(100, 576).bfloat16(), torch.randn(SKINNY_ROWS, 576).bfloat16()
+    lanes = pack_lanes(weight)
+    batched = torch.ops.canteen.skinny_linear(x, lanes, 100, None)
+    for r in range(SKINNY_ROWS):
+        alone = torch.ops.canteen.skinny_linear(x[r : r + 1], lanes, 100, None)
+        assert torch.equal(alone[0], batched[r])
+
+
+def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
+    from worker.quant import pack_lanes
+
+    lanes = pack_lanes(torch.randn(20, 64).bfloat16())
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match=r"x bfloat16 \[M <= 12, K\]"):
+        torch.ops.canteen.skinny_linear(torch.randn(13, 64).bfloat16(), lanes, 20, None)
+    with pytest.raises(RuntimeError, match="for x's K"):
+        torch.ops.canteen.skinny_linear(torch.randn(2, 96).bfloat16(), lanes, 20, None)
+    with pytest.raises(RuntimeError, match="for x's K"):
+        torch.ops.canteen.skinny_linear(x, lanes, 40, None)  # another layer's N
+    with pytest.raises(RuntimeError, match=r"bias \[N\]"):
+        torch.ops.canteen.skinny_linear(x, lanes, 20, torch.zeros(21))
+    assert torch.ops.canteen.skinny_linear(x[:0], lanes, 20, None).shape == (0, 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

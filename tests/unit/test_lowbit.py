@@ -148,6 +148,11 @@ for bits in (4, 8):
     got = pack_groups(u, d, m, bits)(x, None).double()
     want = _reference(x, u, d, m)
     assert (got - want).abs().max() <= 2e-5 * want.abs().max(), (bits, got, want)
+from worker.quant import pack_lanes  # and skinny_linear's bfloat16 path on this instruction set
+w = (torch.randn(50, 41, generator=torch.Generator().manual_seed(2)) * 0.1).bfloat16()
+xb = torch.randn(5, 41, generator=torch.Generator().manual_seed(3)).bfloat16()
+got = torch.ops.canteen.skinny_linear(xb, pack_lanes(w), 50, None)
+torch.testing.assert_close(got, (xb.float() @ w.float().T).bfloat16(), atol=0, rtol=2**-7)
 print("ok")
 """
 

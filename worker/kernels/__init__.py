@@ -1,5 +1,5 @@
-"""Canteen's C++ CPU kernels (canteen_ops.cpp, lowbit.cpp), built with the machine's own
-compiler and loaded.
+"""Canteen's C++ CPU kernels (canteen_ops.cpp, dense.cpp, lowbit.cpp), built with the
+machine's own compiler and loaded.
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
 ``skinny_linear``, ``quant_linear``) replace many small ops of a decode step
@@ -30,7 +30,8 @@ from canteen.logging import get_logger
 log = get_logger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "canteen_ops.cpp", HERE / "lowbit.cpp")  # compiled together, one library
+# compiled together, one library
+SOURCES = (HERE / "canteen_ops.cpp", HERE / "dense.cpp", HERE / "lowbit.cpp")
 HEADERS = (HERE / "common.h",)
 # -ffp-contract=off: no fused multiply-adds, so a * b + c rounds as torch's two ops round it.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")

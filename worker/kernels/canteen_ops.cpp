@@ -7,9 +7,9 @@
 //   canteen::rms_norm           transformers' RMSNorm in one pass (eight ops there)
 //   canteen::silu_mul           the MLP's gate, silu(gate) * up, in one pass
 //   canteen::rotary             rotary on q or k straight out of the fused QKV output
-//   canteen::skinny_linear      bfloat16 x @ w^T for a few rows, near read bandwidth
 //
-// lowbit.cpp adds canteen::quant_linear (4- and 8-bit weights, int8 activations).
+// dense.cpp adds canteen::skinny_linear (bfloat16 x @ w^T for a few rows, near read
+// bandwidth), lowbit.cpp canteen::quant_linear (4- and 8-bit weights, int8 activations).
 //
 // All of them compute in float32 and round where the ops they replace round.
 // worker/kernels/__init__.py builds the kernels with the machine's own compiler and loads it;
@@ -27,14 +27,9 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
-
 namespace {
 
 using canteen::dot;
-using canteen::kMaxSkinnyRows;
 using canteen::to_float;
 
 // One (row, kv head): the G query heads that share it, over the row's first `len` slots.
@@ -219,74 +214,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// out[r] = sum_i x[r][i] * w[i] for Rows (<= 8) bfloat16 rows of x against one weight row,
-// accumulated in float32 (what a oneDNN bfloat16 matmul does; only the sum's order differs).
-// The weight row is loaded once per 32 elements for all rows, each row its own accumulator.
-// Rows is a template argument so the accumulators live in registers: indexed by a runtime
-// count they went through the stack on every step (one row took 1.9x its time now).
-template <int Rows>
-void dots_bf16(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t n, float* out) {
-  int64_t i = 0;
-#if defined(__AVX512BF16__)
-  __m512 acc[Rows];
-  for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
-  for (; i + 32 <= n; i += 32) {
-    const auto wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + i));
-#pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      const auto xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + r * x_stride + i));
-      acc[r] = _mm512_dpbf16_ps(acc[r], xv, wv);
-    }
-  }
-  for (int r = 0; r < Rows; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
-#else
-  for (int r = 0; r < Rows; ++r) out[r] = 0.f;
-#endif
-  for (int r = 0; r < Rows; ++r) {
-    const at::BFloat16* xr = x + r * x_stride;
-    float rest = 0.f;
-#pragma omp simd reduction(+ : rest)
-    for (int64_t j = i; j < n; ++j) rest += static_cast<float>(xr[j]) * static_cast<float>(w[j]);
-    out[r] += rest;
-  }
-}
-
-using DotsFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, float*);
-constexpr DotsFn kDots[kMaxSkinnyRows] = {dots_bf16<1>, dots_bf16<2>, dots_bf16<3>, dots_bf16<4>,
-                                          dots_bf16<5>, dots_bf16<6>, dots_bf16<7>, dots_bf16<8>};
-
-// x [M, K] @ w[N, K]^T (+ bias) for the few rows of a decode step: every weight is read once
-// from its plain row-major layout while the M rows stay in cache.
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "skinny_linear: bfloat16 x and w");
-  TORCH_CHECK(x.size(0) <= kMaxSkinnyRows, "skinny_linear: at most 8 rows");
-  const auto xc = x.contiguous();
-  const auto wc = w.contiguous();
-  const int64_t rows = xc.size(0), k = xc.size(1), n = wc.size(0);
-  auto out = at::empty({rows, n}, xc.options());
-  std::vector<float> b(n, 0.f);
-  if (bias.has_value() && bias->defined()) {
-    const auto bc = bias->to(at::kFloat).contiguous();
-    std::memcpy(b.data(), bc.data_ptr<float>(), n * sizeof(float));
-  }
-  const auto* xp = xc.data_ptr<at::BFloat16>();
-  const auto* wp = wc.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  if (rows == 0) return out;
-  const DotsFn dots = kDots[rows - 1];
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    float sums[kMaxSkinnyRows];
-    for (int64_t j = begin; j < end; ++j) {
-      dots(xp, k, wp + j * k, k, sums);
-      for (int64_t r = 0; r < rows; ++r) op[r * n + j] = static_cast<at::BFloat16>(sums[r] + b[j]);
-    }
-  });
-  return out;
-}
-
-
 }  // namespace
 
 TORCH_LIBRARY(canteen, m) {
@@ -296,7 +223,6 @@ TORCH_LIBRARY(canteen, m) {
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor x, int heads, Tensor cos, Tensor signed_sin) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) {
@@ -304,5 +230,4 @@ TORCH_LIBRARY_IMPL(canteen, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
   m.impl("rms_norm", &rms_norm);
-  m.impl("skinny_linear", &skinny_linear);
 }

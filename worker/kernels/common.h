@@ -5,9 +5,6 @@
 
 namespace canteen {
 
-// The most rows a decode-step kernel takes (a step of a few sequences, or one verifying drafts).
-constexpr int64_t kMaxSkinnyRows = 8;
-
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
 #pragma omp simd

@@ -32,10 +32,10 @@
 
 namespace {
 
-using canteen::kMaxSkinnyRows;
 using canteen::to_float;
 
 constexpr int64_t kGroup = 32, kBlock = 16;
+constexpr int64_t kMaxRows = 8;  // rows of x a call takes (worker/quant.py, QUANT_ROWS)
 
 struct Q8Rows {
   int64_t rows, k, groups;
@@ -211,7 +211,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
 // Rows is a template argument so the accumulators live in registers.
 using BlockFn = void (*)(const uint8_t*, const at::Half*, const Q8Rows&, float (*)[kBlock]);
 template <int Bits>
-constexpr BlockFn kBlockDots[kMaxSkinnyRows] = {
+constexpr BlockFn kBlockDots[kMaxRows] = {
     block_dots<Bits, 1>, block_dots<Bits, 2>, block_dots<Bits, 3>, block_dots<Bits, 4>,
     block_dots<Bits, 5>, block_dots<Bits, 6>, block_dots<Bits, 7>, block_dots<Bits, 8>};
 
@@ -219,7 +219,7 @@ constexpr BlockFn kBlockDots[kMaxSkinnyRows] = {
 // uint8 (4 or 8 bits), scales [ceil(N / 16), K / 32, 2, 16] float16.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         int64_t n, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxSkinnyRows, "quant_linear: x [M <= 8, K]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "quant_linear: x [M <= 8, K]");
   const int64_t rows = x.size(0), k = x.size(1), blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(k % kGroup == 0, "quant_linear: K a multiple of 32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(0) == blocks &&
@@ -249,7 +249,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_linear_out", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-      float sums[kMaxSkinnyRows][kBlock];
+      float sums[kMaxRows][kBlock];
       for (int64_t blk = begin; blk < end; ++blk) {
         dots(pp + blk * block_bytes, sp + blk * block_scales, q8, sums);
         const int64_t first = blk * kBlock, count = std::min(kBlock, n - first);
