@@ -28,6 +28,15 @@ def new_kv_pool(loaded: LoadedModel, num_blocks: int, block_size: int) -> torch.
     )
 
 
+# A few tokens after cached ones (a sequence verifying its drafts, a short prompt chunk) go
+# through the decode path, one row per token over the slots up to its own position: the
+# pool already holds the step's keys when attention reads it, so each row sees exactly its
+# causal past. On the CPU that is Canteen's in-place kernel instead of gathering the
+# context's keys and values in every layer, and a verified token's attention is computed as
+# it would be without drafts.
+SHORT_SPAN = 8
+
+
 @dataclass(frozen=True)
 class Row:
     """One sequence's part of a forward: ``token_ids`` at positions ``start..``, written into
@@ -70,11 +79,11 @@ class BatchBuilder:
             ids.extend(r.token_ids)
             pos.extend(range(start, end))
             slots.extend(r.block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            table = r.block_ids[: (end + bs - 1) // bs]
-            if end - start == 1:
-                decodes.append((first, table, end))
+            if end - start == 1 or (start > 0 and end - start <= SHORT_SPAN):
+                for i, p in enumerate(range(start + 1, end + 1)):  # each token over its past
+                    decodes.append((first + i, r.block_ids[: (p + bs - 1) // bs], p))
             else:
-                spans.append((first, end - start, end, table))
+                spans.append((first, end - start, end, r.block_ids[: (end + bs - 1) // bs]))
             keep.extend(range(len(ids) - r.num_logits, len(ids)))
         batch = PagedBatch(
             kv_pool=self.kv_pool,
