@@ -14,8 +14,9 @@ The two figures come apart, and each is learned where it lives:
   batch size (in powers of two), as moving averages;
 - how many drafts hold depends on the text: each sequence keeps its own moving average of
   the drafts accepted per drafting step (``DraftRecord``). One never measured counts as if
-  all its drafts held, so a new request gets a few drafting steps to show what its text
-  does, whatever the requests before it did (where even that would not pay, it gets none).
+  ``PRIOR_SHARE`` of its drafts held, so a new request gets a few drafting steps to show
+  what its text does, whatever the requests before it did (where even that would not pay,
+  it gets none: a draft model's drafting steps in a big batch cost several plain ones).
 
 Each step takes the better arm for its batch size. Both step times are first measured
 (without drafts first); then, after ``EXPLORE_EVERY`` steps, the arm that looks worse is
@@ -38,6 +39,7 @@ MAX_EXPLORE_EVERY = 512
 TRY_STEPS = 3  # steps in a row of a tried arm (the first, the switch, is not measured)
 TIME_DECAY = 0.7  # weight a step-time estimate keeps per new measurement
 RECORD_DECAY = 0.5  # weight a sequence's acceptance keeps per drafting step
+PRIOR_SHARE = 0.75  # a sequence never measured: this share of its drafts expected to hold
 
 
 @dataclass
@@ -111,7 +113,7 @@ class SpeculationPolicy:
         ``records``: those of the sequences that may verify drafts this step."""
         if self.num_tokens == 0 or num_decodes == 0:
             return 0
-        prior = self.num_tokens  # never measured: as if every draft held
+        prior = self.num_tokens * PRIOR_SHARE
         gain = sum(prior if r.accepted is None else r.accepted for r in records)
         return self.num_tokens if self._choose(num_decodes, gain / num_decodes) else 0
 

@@ -30,7 +30,7 @@ from canteen.logging import get_logger
 from worker import kernels
 from worker.attention import PagedBatch
 from worker.paged_attention import layer_view, paged_attention
-from worker.quant import Linear, PackedLinear, Q4Groups, make_linear
+from worker.quant import Linear, PackedLinear, Q4Groups, kernel_form, make_linear
 
 log = get_logger(__name__)
 
@@ -186,6 +186,42 @@ class Layer:
         return x + (out if s.residual == 1.0 else out * s.residual)
 
 
+@dataclass(frozen=True)
+class Stack:
+    """What canteen::decode_layers (worker/kernels/stack.cpp) takes of every layer: the same
+    ops as ``Layer``, in one call, for decode steps of up to ``max_rows`` rows."""
+
+    weights: list[torch.Tensor]  # per layer: the two norms, then (a, b, bias) per linear
+    sizes: list[int]  # per layer: each linear's output features
+    max_rows: int
+    eps: float
+
+
+def _stack(layers: list[Layer]) -> Stack | None:
+    """The layers as one op takes them, where every layer runs on Canteen's kernels: norms,
+    SiLU gate, no q/k norms, and linears with a kernel of their own."""
+    weights: list[torch.Tensor] = []
+    sizes, max_rows, eps = [], 1 << 30, set[float]()
+    for layer in layers:
+        norms = [n for n in (layer.input_norm, layer.post_norm) if isinstance(n, _KernelNorm)]
+        if not layer.fused_act or layer.q_norm is not None or layer.k_norm is not None:
+            return None
+        if len(norms) != 2:
+            return None
+        weights += [n.weight for n in norms]
+        eps |= {n.eps for n in norms}
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            form = kernel_form(linear)
+            if form is None:
+                return None
+            weights += form[0]
+            sizes.append(form[1])
+            max_rows = min(max_rows, form[2])
+    if not layers or len(eps) != 1:
+        return None
+    return Stack(weights, sizes, max_rows, eps.pop())
+
+
 class FastModel:
     """The decoder over one flattened step: token ids [T] -> logits [len(keep), vocab]."""
 
@@ -221,6 +257,7 @@ class FastModel:
                 setattr(layer.self_attn, name, None)
             for name in ("gate_proj", "up_proj", "down_proj"):
                 setattr(layer.mlp, name, None)
+        self.stack = _stack(self.layers)
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -255,7 +292,36 @@ class FastModel:
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # signed for _rotate
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, layer_view(batch.kv_pool, i), batch)
+        stack = self.stack
+        if stack is not None and not batch.prefills and x.shape[0] <= stack.max_rows:
+            x = self._decode_layers(stack, x, cos, sin, batch)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, cos, sin, layer_view(batch.kv_pool, i), batch)
         logits = self.lm_head(self.norm(x.index_select(0, keep)))
         return logits if self.shape.logits == 1.0 else logits / self.shape.logits
+
+    def _decode_layers(
+        self, stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: PagedBatch
+    ) -> torch.Tensor:
+        """Every layer in one op (the Layer ops, bit for bit, without the Python between)."""
+        s = self.shape
+        groups = [
+            t for g in b.decodes for t in (g.slots.view(g.lens.shape[0], -1), g.lens, g.index)
+        ]
+        out: torch.Tensor = torch.ops.canteen.decode_layers(
+            x,
+            b.kv_pool,
+            stack.weights,
+            stack.sizes,
+            cos,
+            sin,
+            b.slot_mapping,
+            groups,
+            s.heads,
+            s.kv_heads,
+            s.scale,
+            stack.eps,
+            s.residual,
+        )
+        return out

@@ -259,6 +259,20 @@ class Int4Linear:
         return out if self.bias is None else out + self.bias
 
 
+def kernel_form(linear: Linear) -> tuple[list[torch.Tensor], int, int] | None:
+    """``linear`` as canteen::decode_layers takes it (worker/kernels/stack.cpp): its (a, b,
+    bias) tensors, its output features and the most rows its kernel takes; None where no
+    kernel of Canteen's computes it."""
+    none = torch.empty(0)
+    if isinstance(linear, PackedLinear) and linear.lanes is not None:
+        bias = none if linear.bias is None else linear.bias
+        return [linear.lanes, none, bias], linear.out_features, SKINNY_ROWS
+    if isinstance(linear, Int8Linear | Int4Linear) and linear.packed is not None:
+        packed, bias = linear.packed, none if linear.bias is None else linear.bias
+        return [packed.weights, packed.scales, bias], packed.out_features, QUANT_ROWS
+    return None
+
+
 def make_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,

@@ -106,3 +106,46 @@ def test_quantization_flags_are_checked_where_they_are_read() -> None:
     with pytest.raises(ValueError, match="dtype"):
         WorkerConfig(quantization="int4", dtype="float32")
     assert WorkerConfig(quantization="int4").dtype == "auto"
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "granite"])
+def test_decode_layers_in_one_op_equal_the_layer_by_layer_path(
+    model_type: str, quantization: str, tmp_path: Path
+) -> None:
+    """canteen::decode_layers (worker/kernels/stack.cpp) runs every layer's ops in one call:
+    the hidden states before the head are the Layer loop's bit for bit, in decode steps of
+    one row and of four (bfloat16 through skinny_linear, int8 and int4 through
+    quant_linear; qwen2's biases, granite's residual multiplier)."""
+    from worker.model import FastModel
+
+    path = _build(tmp_path / model_type, model_type)
+    loaded = load_model(
+        str(path), "safetensors", "", torch.device("cpu"), torch.bfloat16, False,
+        quantization=quantization,
+    )  # fmt: skip
+    model = loaded.forward
+    assert isinstance(model, FastModel) and model.stack is not None
+    stack, norm = model.stack, model.norm
+    assert norm is not None
+    runner = ModelRunner(loaded, 4 * 8, BLOCK, max_batched_tokens=256)
+    seen: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    tokens: dict[bool, list[dict[str, list[int]]]] = {True: [], False: []}
+    for use in (True, False):
+        model.stack = stack if use else None
+        model.norm = lambda x, use=use: seen[use].append(x.clone()) or norm(x)  # type: ignore[assignment,func-returns-value]
+        for prompts in (PROMPTS, {"p2": PROMPTS["p2"]}):
+            tokens[use].append(generate(runner, prompts, 6))
+    model.stack, model.norm = stack, norm
+    assert tokens[True] == tokens[False]
+    assert len(seen[True]) == len(seen[False]) == 12
+    for fused, layered in zip(seen[True], seen[False], strict=True):
+        assert torch.equal(fused, layered)
+
+
+def test_qk_norms_keep_the_layer_by_layer_path(tmp_path: Path) -> None:
+    from worker.model import FastModel
+
+    path = _build(tmp_path / "qwen3", "qwen3")
+    loaded = load_model(str(path), "safetensors", "", torch.device("cpu"), torch.bfloat16, False)
+    assert isinstance(loaded.forward, FastModel) and loaded.forward.stack is None

@@ -1,0 +1,129 @@
+// canteen::decode_layers: every decoder layer of a decode step of a few rows, in one op.
+//
+// worker/model.py's Layer runs about fifteen ops per layer; for the one row of a single
+// stream (or a draft model's forwards) each op's Python and dispatch cost, times thirty
+// layers, is a third of the step. This op runs the same ops, in the same order, on the same
+// kernels (canteen::rms_norm, skinny_linear or quant_linear, rotary, paged_decode_into,
+// silu_mul; torch's silu and arithmetic), so its outputs are the Python path's bit for bit;
+// only the Python between them is gone. worker/model.py decides when it applies (CPU
+// kernels, a llama-like layer without q/k norms, linears with a kernel for the row count,
+// decode rows only) and keeps the Python path otherwise.
+//
+// Per layer, ``weights`` holds 14 tensors: the two norms' weights, then for the qkv, o,
+// gate-up and down linears (a, b, bias): skinny_linear's lanes and an empty b, or
+// quant_linear's packed weights and scales; an empty bias for none. ``sizes`` holds each
+// linear's output features. ``groups`` holds 3 tensors per decode group: slots [B, W], lens
+// [B], rows [B], as paged_decode_into takes them.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPerLayer = 14, kLinears = 4;
+constexpr int64_t kFusedGateRows = 4;  // worker/model.py, FUSED_GATE_ROWS
+
+c10::optional<at::Tensor> given(const at::Tensor& t) {
+  return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                      const c10::optional<at::Tensor>&)>
+      skinny;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      int64_t, const c10::optional<at::Tensor>&)>
+      quant;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> norm;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&,
+                                      const at::Tensor&)>
+      rotary;
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
+      attend;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
+
+  static const Ops& get() {
+    static const Ops ops = [] {
+      auto& d = c10::Dispatcher::singleton();
+      auto find = [&](const char* name) { return d.findSchemaOrThrow(name, ""); };
+      return Ops{
+          find("canteen::skinny_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
+                                const c10::optional<at::Tensor>&)>(),
+          find("canteen::quant_linear")
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                const c10::optional<at::Tensor>&)>(),
+          find("canteen::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
+          find("canteen::rotary")
+              .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&)>(),
+          find("canteen::paged_decode_into")
+              .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, double)>(),
+          find("canteen::silu_mul").typed<at::Tensor(const at::Tensor&)>(),
+      };
+    }();
+    return ops;
+  }
+
+  at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t n) const {
+    return w[1].numel() == 0 ? skinny.call(x, w[0], n, given(w[2]))
+                             : quant.call(x, w[0], w[1], n, given(w[2]));
+  }
+};
+
+at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::TensorList weights,
+                         at::IntArrayRef sizes, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slot_mapping, at::TensorList groups, int64_t heads,
+                         int64_t kv_heads, double scale, double eps, double residual) {
+  const int64_t layers = kv_pool.size(0), dim = kv_pool.size(5), tokens = x_in.size(0);
+  TORCH_CHECK(kv_pool.dim() == 6 && kv_pool.is_contiguous(),
+              "decode_layers: kv_pool [layers, 2, blocks, block_size, kv_heads, D], contiguous");
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
+                  static_cast<int64_t>(sizes.size()) == layers * kLinears,
+              "decode_layers: 14 weights and 4 sizes per layer");
+  TORCH_CHECK(groups.size() % 3 == 0, "decode_layers: groups of (slots, lens, rows)");
+  const Ops& ops = Ops::get();
+  at::Tensor x = x_in;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const at::Tensor* w = weights.data() + layer * kPerLayer;
+    const int64_t* n = sizes.data() + layer * kLinears;
+    const auto pool = kv_pool.select(0, layer).view({2, kv_heads, -1, dim});
+    const auto qkv = ops.linear(ops.norm.call(x, w[0], eps), w + 2, n[0]).view({tokens, -1, dim});
+    const auto q = ops.rotary.call(qkv, heads, cos, sin).contiguous();
+    const auto k = ops.rotary.call(qkv.slice(1, heads), kv_heads, cos, sin);
+    const auto v = qkv.slice(1, heads + kv_heads);
+    pool.select(0, 0).index_copy_(1, slot_mapping, k.transpose(0, 1));
+    pool.select(0, 1).index_copy_(1, slot_mapping, v.transpose(0, 1));
+    auto attended = at::empty({tokens, heads * dim}, q.options());
+    for (size_t g = 0; g < groups.size(); g += 3)
+      ops.attend.call(attended, q, pool, groups[g], groups[g + 1], groups[g + 2], scale);
+    const auto o = ops.linear(attended, w + 5, n[1]);
+    x = residual == 1.0 ? x + o : x + o * residual;
+    const auto gate_up = ops.linear(ops.norm.call(x, w[1], eps), w + 8, n[2]);
+    at::Tensor act;
+    if (tokens <= kFusedGateRows) {
+      act = ops.silu_mul.call(gate_up);
+    } else {
+      const auto parts = gate_up.chunk(2, -1);
+      act = at::silu(parts[0]) * parts[1];
+    }
+    const auto down = ops.linear(act, w + 11, n[3]);
+    x = residual == 1.0 ? x + down : x + down * residual;
+  }
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(canteen, m) {
+  m.def(
+      "decode_layers(Tensor x, Tensor(a!) kv_pool, Tensor[] weights, int[] sizes, Tensor cos, "
+      "Tensor sin, Tensor slot_mapping, Tensor[] groups, int heads, int kv_heads, float scale, "
+      "float eps, float residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("decode_layers", &decode_layers); }
