@@ -21,7 +21,9 @@ The two figures come apart, and each is learned where it lives:
 Each step takes the better arm for its batch size. Both step times are first measured
 (without drafts first); then, after ``EXPLORE_EVERY`` steps, the arm that looks worse is
 tried for a few steps (which also refreshes every sequence's record), and after twice as
-many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``). Drafts are not tried at a
+many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``); drafts are not tried
+again where they could not pay even if every one held (a draft model's drafting step in a
+batch of 16 costs a dozen plain ones: one try would cost more than it could ever win). Drafts are not tried at a
 batch size when the batch's expected acceptance is below a smaller size's break-even (a
 bigger batch's break-even is higher). The first step after a switch is not measured:
 turning drafts on costs a draft model with a pool of its own its catch-up on every
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 
 EXPLORE_EVERY = 16  # steps of a batch size before the arm that looks worse is tried again
 MAX_EXPLORE_EVERY = 512
-TRY_STEPS = 3  # steps in a row of a tried arm (the first, the switch, is not measured)
+TRY_STEPS = 2  # steps in a row of a tried arm (the first, the switch, is not measured)
 TIME_DECAY = 0.7  # weight a step-time estimate keeps per new measurement
 RECORD_DECAY = 0.5  # weight a sequence's acceptance keeps per drafting step
 PRIOR_SHARE = 0.75  # a sequence never measured: this share of its drafts expected to hold
@@ -135,8 +137,8 @@ class SpeculationPolicy:
         best = expected > need
         bucket.steps += 1
         if bucket.steps >= bucket.explore_every:
-            if not best and self._lose_below(size, expected):
-                bucket.steps = 0
+            if not best and (self.num_tokens <= need or self._lose_below(size, expected)):
+                bucket.steps = 0  # drafts could not pay here even if every one held
                 return False
             return bucket.start_try(not best)
         return best

@@ -23,7 +23,7 @@ from canteen.plan import (
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.sequence import Finish, Sequence
-from scheduler.speculation import DraftRecord, SpeculationPolicy
+from scheduler.speculation import TRY_STEPS, DraftRecord, SpeculationPolicy
 from tests.support import reference
 from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq, next_token
 from worker.draft import can_share_kv
@@ -226,6 +226,16 @@ def test_a_batch_drafts_by_its_sequences_average_acceptance() -> None:
     for accepted in (4, 0, 0, 0):
         record.observe(accepted)
     assert record.accepted == 0.5  # recent steps weigh most
+
+
+def test_drafts_that_could_not_pay_even_if_all_held_are_not_tried_again() -> None:
+    """Sixteen sequences whose drafts all hold, on a worker where a drafting step costs a
+    dozen plain ones (a draft model's forwards in a big batch): even five tokens a sequence
+    would lose, so after its one measuring try the rule spends no step on drafts again."""
+    policy = SpeculationPolicy(K)
+    # 16 tokens in 44 ms, or 80 in 540 ms
+    share = _simulate(policy, 16, 1000, 0.400, hits=K)
+    assert 0 < share * 1000 <= TRY_STEPS
 
 
 def test_ngram_proposals_follow_the_latest_earlier_occurrence() -> None:
