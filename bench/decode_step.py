@@ -107,14 +107,14 @@ def matmul_flops(
 
 
 def _tensor_bytes(obj: object) -> int:
-    """A linear's weights as a one-row step reads them: a bfloat16 PackedLinear keeps a plain
-    copy beside the packed one, and an int8 or int4 layer a copy in quant_linear's layout
-    beside torch's; any step reads only one of the two (a one-row step the second)."""
+    """A linear's weights as a one-row step reads them: a bfloat16 PackedLinear keeps a copy
+    in skinny_linear's lanes beside oneDNN's, and an int8 or int4 layer a copy in
+    quant_linear's layout beside torch's; any step reads only one of the two."""
     packed = getattr(obj, "packed", None)
     if packed is not None:
         return int(packed.weights.nbytes + packed.scales.nbytes)
     return sum(
-        v.nbytes for k, v in vars(obj).items() if isinstance(v, torch.Tensor) and k != "plain"
+        v.nbytes for k, v in vars(obj).items() if isinstance(v, torch.Tensor) and k != "lanes"
     )
 
 
