@@ -23,11 +23,11 @@ Each step takes the better arm for its batch size. Both step times are first mea
 tried for a few steps (which also refreshes every sequence's record), and after twice as
 many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``); drafts are not tried
 again where they could not pay even if every one held (a draft model's drafting step in a
-batch of 16 costs a dozen plain ones: one try would cost more than it could ever win). Drafts are not tried at a
-batch size when the batch's expected acceptance is below a smaller size's break-even (a
-bigger batch's break-even is higher). The first step after a switch is not measured:
-turning drafts on costs a draft model with a pool of its own its catch-up on every
-sequence, once, not per step. So drafts turn off as the batch grows past where they pay, and
+batch of 16 costs a dozen plain ones: one try would cost more than it could ever win).
+Drafts are not tried at a batch size when the batch's expected acceptance is below a smaller
+size's break-even (a bigger batch's break-even is higher). The first step after a switch is
+not measured: turning drafts on costs a draft model with a pool of its own its catch-up on
+every sequence, once, not per step. So drafts turn off as the batch grows past where they pay, and
 back on as it shrinks or as a request whose drafts hold arrives.
 """
 
