@@ -106,12 +106,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
   TORCH_CHECK(lanes.scalar_type() == at::kBFloat16 &&
                   lanes.sizes() == at::IntArrayRef({blocks, pairs, kLanes, 2}),
               "skinny_linear: lanes bfloat16 [ceil(N / 16), ceil(K / 2), 16, 2] for x's K");
-  std::vector<float> b(blocks * kLanes, 0.f);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "skinny_linear: bias [N]");
-    const auto bc = bias->to(at::kFloat).contiguous();
-    std::memcpy(b.data(), bc.data_ptr<float>(), n * sizeof(float));
-  }
+  const auto b = canteen::padded_bias(bias, n, blocks * kLanes, "skinny_linear");
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const auto xc = x.contiguous(), lc = lanes.contiguous();

@@ -233,12 +233,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "quant_linear", [&] {
     q8 = quantize_rows(xc.data_ptr<scalar_t>(), rows, k);
   });
-  std::vector<float> b(blocks * kBlock, 0.f);
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "quant_linear: bias [N]");
-    const auto bc = bias->to(at::kFloat).contiguous();
-    std::memcpy(b.data(), bc.data_ptr<float>(), n * sizeof(float));
-  }
+  const auto b = canteen::padded_bias(bias, n, blocks * kBlock, "quant_linear");
   auto out = at::empty({rows, n}, xc.options());
   if (rows == 0) return out;
   const bool four_bits = pc.size(2) == 256;
