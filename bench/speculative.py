@@ -7,11 +7,14 @@ Cases (SmolLM2, greedy; the two sides make identical tokens):
   open    one stream, open-ended questions
   busy    N concurrent open-ended streams (drafts must not hurt a busy server)
 
-Rounds alternate which side goes first and are reported in the order they ran, with the
-acceptance rate the scheduler measured over the drafting side's requests.
+A round of a one-stream case runs ``--repeats`` fresh prompts per side, alternating which
+side goes first each time (the host's speed drifts within seconds); rounds are reported in
+the order they ran, with the acceptance rate the scheduler measured over the drafting side's
+requests.
 
-Usage: python bench/speculative.py [--rounds 3] [--tokens 96] [--streams 16]
-       [--speculative ngram|draft-int4] [--worker-arg=... ...] [--json out.json]
+Usage: python bench/speculative.py [--rounds 3] [--tokens 96] [--streams 16] [--repeats 4]
+       [--speculative ngram|draft-int4] [--cases edit,open,busy]
+       [--worker-arg=... ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -89,24 +92,38 @@ def counters(metrics_url: str) -> tuple[float, float]:
     )
 
 
-def case(stack: object, name: str, r: int, n: int, tokens: int) -> dict[str, float]:
+def case(stack: object, name: str, r: int, n: int, tokens: int, repeats: int) -> dict[str, float]:
+    """One round of a case: ``repeats`` times, the same number of fresh prompts per side,
+    the side that goes first alternating each time (the host's speed drifts within seconds),
+    each side's tok/s over all of its requests."""
     address = stack.gateway.address  # type: ignore[attr-defined]
     metrics = stack.scheduler.metrics_url  # type: ignore[attr-defined]
     make = edit_prompt if name == "edit" else open_prompt
-    order = [False, True] if r % 2 == 0 else [True, False]
-    out: dict[str, float] = {}
-    for disable in order:
-        side = "off" if disable else "on"
-        prompts = [make(i + r * n, f"r{r} {name} {side}") for i in range(n)]
-        before = counters(metrics)
-        tps, _ = asyncio.run(run(address, prompts, tokens, disable))
-        after = counters(metrics)
-        out[side] = tps
-        if not disable:
-            drafts = after[0] - before[0]
-            out["acceptance"] = (after[1] - before[1]) / drafts if drafts else 0.0
-        print(f"round {r + 1} {name} {side}: {tps:.1f} tok/s", flush=True)
+    made = {"on": 0, "off": 0}
+    seconds = {"on": 0.0, "off": 0.0}
+    drafted = accepted = 0.0
+    for j in range(repeats):
+        for disable in [False, True] if (r + j) % 2 == 0 else [True, False]:
+            side = "off" if disable else "on"
+            first = (r * repeats + j) * n
+            prompts = [make(first + i, f"r{r}.{j} {name} {side}") for i in range(n)]
+            before = counters(metrics)
+            start = time.perf_counter()
+            _, outputs = asyncio.run(run(address, prompts, tokens, disable))
+            seconds[side] += time.perf_counter() - start
+            made[side] += sum(map(len, outputs))
+            after = counters(metrics)
+            if not disable:
+                drafted += after[0] - before[0]
+                accepted += after[1] - before[1]
+    out = {side: made[side] / seconds[side] for side in ("on", "off")}
+    out["acceptance"] = accepted / drafted if drafted else 0.0
     out["ratio"] = out["on"] / out["off"]
+    print(
+        f"round {r + 1} {name}: on {out['on']:.1f} tok/s, off {out['off']:.1f} tok/s, "
+        f"ratio {out['ratio']:.2f}, acceptance {out['acceptance']:.2f}",
+        flush=True,
+    )
     # same prompts differ by their side tag, so compare nothing token for token here: the
     # exactness tests do (in bfloat16 a different batch shape may change a rounding)
     return out
@@ -119,6 +136,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument(
+        "--repeats", type=int, default=4, help="requests per side per round of a one-stream case"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument(
         "--speculative",
@@ -127,6 +147,7 @@ def main() -> None:
         help="draft-int4: the served model at --quantization int4 as the draft model",
     )
     parser.add_argument("--worker-arg", action="append", default=[])
+    parser.add_argument("--cases", default="edit,open,busy", help="a subset of edit,open,busy")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     drafts = (
@@ -139,15 +160,17 @@ def main() -> None:
         "--kv-cache-memory", "512MiB", "--dtype", "auto", *drafts,
         "--num-speculative-tokens", str(args.num_speculative_tokens), *args.worker_arg,
     ]  # fmt: skip
-    cases = {"edit": 1, "open": 1, "busy": args.streams}
+    sizes = {"edit": 1, "open": 1, "busy": args.streams}
+    cases = {name: sizes[name] for name in args.cases.split(",")}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
     with tempfile.TemporaryDirectory() as tmp:
         with default_model_stack(Path(tmp), worker_args=worker_args) as stack:
             for name, n in cases.items():  # warm both sides
-                case(stack, name, -1, min(n, 2), 8)
+                case(stack, name, -1, min(n, 2), 8, 1)
             for r in range(args.rounds):
                 for name, n in cases.items():
-                    results[name].append(case(stack, name, r, n, args.tokens))
+                    repeats = args.repeats if n == 1 else 1
+                    results[name].append(case(stack, name, r, n, args.tokens, repeats))
     report = {
         "cpu": cpu_model(),
         "worker_args": worker_args,

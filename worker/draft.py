@@ -24,6 +24,7 @@ import torch
 
 from worker.batch import BatchBuilder, Row, new_kv_pool
 from worker.loader import LoadedModel
+from worker.sampler import greedy_tokens
 
 
 def can_share_kv(target: LoadedModel, draft: LoadedModel, same_weights: bool) -> bool:
@@ -105,5 +106,4 @@ class DraftModel:
         with torch.inference_mode():
             keep_t = torch.tensor(keep, device=self.loaded.device)
             logits = self.loaded.forward(input_ids, positions, batch, keep_t)
-        result: list[int] = logits.float().argmax(dim=-1).tolist()
-        return result
+        return greedy_tokens(logits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from canteen.plan import Sampling
+from worker import kernels
 
 _MASK64 = (1 << 64) - 1
 
@@ -39,6 +40,27 @@ def _filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
+def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of float32 ``logits`` [N, V]: the largest logit, its first index, and the
+    logsumexp (a token's logprob is its logit minus it). On the CPU one pass of Canteen's
+    kernel (worker/kernels/sampling.cpp) where torch's max and logsumexp take several."""
+    if logits.is_cpu and kernels.available():
+        best, chosen, norm = torch.ops.canteen.greedy_pick(logits, True)
+        return best, chosen, norm
+    best, chosen = logits.max(dim=-1)
+    return best, chosen, torch.logsumexp(logits, dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The first largest logit's index per row of ``logits`` [N, V] (torch.argmax's)."""
+    logits = logits.float()
+    if logits.is_cpu and kernels.available():
+        chosen: list[int] = torch.ops.canteen.greedy_pick(logits, False)[1].tolist()
+        return chosen
+    result: list[int] = logits.argmax(dim=-1).tolist()
+    return result
+
+
 def sample(
     logits: torch.Tensor, samplings: list[Sampling], positions: list[int]
 ) -> tuple[list[int], list[float], list[tuple[tuple[int, float], ...]]]:
@@ -46,8 +68,7 @@ def sample(
     most likely (token, logprob) pairs of the rows that asked for top_logprobs."""
     logits = logits.float()  # a no-op in float32; bfloat16 logits are ranked in float32
     # greedy rows: one batched max gives the token and its logit together
-    best, chosen = logits.max(dim=-1)
-    norm = torch.logsumexp(logits, dim=-1)
+    best, chosen, norm = greedy_pick(logits)
     sampled = [row for row, s in enumerate(samplings) if not s.is_greedy]
     for row in sampled:
         sampling = samplings[row]

@@ -173,9 +173,10 @@ def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> None:
-    """The fused rotary and SiLU gate give worker/model.py's torch ops' values: rotary bit for
-    bit (the same products and sum, each rounded to the dtype), the gate within an ulp of
-    float32's exp (then rounded to the dtype, where bfloat16 absorbs it)."""
+    """The fused rotary and SiLU gate give worker/model.py's torch ops' values bit for bit:
+    rotary the same products and sum, each rounded to the dtype; the gate torch's own exp
+    (SLEEF's where torch's silu runs vectorized, std::exp on the tail of a row), at widths
+    with and without a tail."""
     from worker.model import _rotate
 
     torch.manual_seed(3)
@@ -187,10 +188,37 @@ def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> No
     q = torch.ops.canteen.rotary(view, heads, cos, sin)
     k = torch.ops.canteen.rotary(view[:, heads:], kv_heads, cos, sin)
     assert torch.equal(q, want[:, :heads]) and torch.equal(k, want[:, heads:])
-    gate_up = (torch.randn(tokens, 2 * 40) * 3).to(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    got = torch.ops.canteen.silu_mul(gate_up)
-    if dtype == torch.bfloat16:
-        assert torch.equal(got, torch.nn.functional.silu(gate) * up)
-    else:
-        torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-6)
+    for rows, inner in ((tokens, 40), (1, 1536), (16, 1536), (3, 100)):
+        gate_up = (torch.randn(rows, 2 * inner) * 3).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        got = torch.ops.canteen.silu_mul(gate_up)
+        assert torch.equal(got, torch.nn.functional.silu(gate) * up), (rows, inner)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_greedy_pick_is_torchs_max_and_logsumexp(rows: int) -> None:
+    """The sampler's one-pass kernel picks torch.max's value and first index (ties included)
+    and torch.logsumexp's value within float32 rounding of the sum's order."""
+    torch.manual_seed(rows)
+    logits = (torch.randn(rows, 49152) * 3).bfloat16().float()
+    logits[0, 7] = logits[0, 4000] = 40.0  # a tie: the first index wins
+    best, chosen, norm = torch.ops.canteen.greedy_pick(logits, True)
+    want_best, want_chosen = logits.max(dim=-1)
+    assert torch.equal(best, want_best) and torch.equal(chosen, want_chosen)
+    assert chosen[0].item() == 7
+    torch.testing.assert_close(norm, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+    _, alone, none = torch.ops.canteen.greedy_pick(logits, False)
+    assert torch.equal(alone, want_chosen) and none.numel() == 0
+
+
+def test_greedy_pick_keeps_torchs_answers_for_nan_and_infinite_rows() -> None:
+    logits = torch.full((3, 40), float("-inf"))  # row 0: every token masked
+    logits[1, 3] = logits[1, 20] = float("nan")
+    logits[2, 35] = float("inf")
+    best, chosen, norm = torch.ops.canteen.greedy_pick(logits, True)
+    want_best, want_chosen = logits.max(dim=-1)
+    assert chosen.tolist() == want_chosen.tolist() == [0, 3, 35]
+    torch.testing.assert_close(best, want_best, equal_nan=True)
+    torch.testing.assert_close(norm, torch.logsumexp(logits, dim=-1), equal_nan=True)
+    with pytest.raises(RuntimeError, match="float32 logits"):
+        torch.ops.canteen.greedy_pick(logits.bfloat16(), True)

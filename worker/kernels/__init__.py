@@ -1,9 +1,10 @@
-"""Canteen's C++ CPU kernels (canteen_ops.cpp, dense.cpp, lowbit.cpp, stack.cpp), built with
-the machine's own compiler and loaded.
+"""Canteen's C++ CPU kernels (canteen_ops.cpp, dense.cpp, lowbit.cpp, stack.cpp,
+sampling.cpp), built with the machine's own compiler and loaded.
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
-``skinny_linear``, ``quant_linear``, ``decode_layers``) replace many small ops of a decode step
-(worker/paged_attention.py, worker/model.py, worker/quant.py). The library is compiled once
+``skinny_linear``, ``quant_linear``, ``decode_layers``, ``greedy_pick``) replace many small ops
+of a decode step (worker/paged_attention.py, worker/model.py, worker/quant.py,
+worker/sampler.py). The library is compiled once
 per source, flags, torch version and CPU (``-march=native``: a build for one machine's vector
 units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's
 ``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``), and
@@ -31,7 +32,9 @@ log = get_logger(__name__)
 
 HERE = Path(__file__).parent
 # compiled together, one library
-SOURCES = tuple(HERE / f for f in ("canteen_ops.cpp", "dense.cpp", "lowbit.cpp", "stack.cpp"))
+SOURCES = tuple(
+    HERE / f for f in ("canteen_ops.cpp", "dense.cpp", "lowbit.cpp", "stack.cpp", "sampling.cpp")
+)
 HEADERS = (HERE / "common.h",)
 # -ffp-contract=off: no fused multiply-adds, so a * b + c rounds as torch's two ops round it.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")

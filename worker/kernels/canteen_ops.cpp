@@ -50,11 +50,10 @@ void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots
     float* s = scores.data() + h * len;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < len; ++j) top = std::max(top, s[j]);
+    for (int64_t j = 0; j < len; ++j) s[j] -= top;
+    canteen::exp_inplace(s, len);
     float sum = 0.f;
-    for (int64_t j = 0; j < len; ++j) {
-      s[j] = std::exp(s[j] - top);
-      sum += s[j];
-    }
+    for (int64_t j = 0; j < len; ++j) sum += s[j];
     total[h] = sum;
   }
   for (int64_t j = 0; j < len; ++j) {
@@ -123,7 +122,8 @@ void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
 }
 
 // transformers' SiLU-gated MLP input: silu(x[:, :I]) * x[:, I:], each op rounded to x's
-// dtype as torch rounds it.
+// dtype as torch rounds it. The exp is torch's own: SLEEF's where torch's silu runs
+// vectorized, std::exp on the tail of a row it leaves to its scalar loop.
 at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "silu_mul: x [T, 2 * I]");
   const auto xc = x.contiguous();
@@ -132,13 +132,17 @@ at::Tensor silu_mul(const at::Tensor& x) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "silu_mul", [&] {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t vector_end = canteen::torch_vector_end<scalar_t>(inner);
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> e(inner);  // exp(-gate)
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* gate = xp + r * 2 * inner;
         const scalar_t* up = gate + inner;
+        for (int64_t i = 0; i < inner; ++i) e[i] = -static_cast<float>(gate[i]);
+        canteen::exp_inplace(e.data(), vector_end);
+        for (int64_t i = vector_end; i < inner; ++i) e[i] = std::exp(e[i]);
         for (int64_t i = 0; i < inner; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          const auto act = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+          const auto act = static_cast<scalar_t>(static_cast<float>(gate[i]) / (1.f + e[i]));
           op[r * inner + i] = static_cast<scalar_t>(static_cast<float>(act) * static_cast<float>(up[i]));
         }
       }
@@ -186,9 +190,13 @@ at::Tensor rotary(const at::Tensor& x, int64_t heads, const at::Tensor& cos,
 // transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), float32 inside.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: weight [hidden]");
+  TORCH_CHECK(weight.is_contiguous(), "rms_norm: contiguous weight");
   const auto xc = x.contiguous();
-  const auto wf = weight.to(at::kFloat).contiguous();
   const int64_t hidden = xc.size(-1), rows = xc.numel() / hidden;
+  std::vector<float> wf(hidden);  // the weight in float32, without a tensor of its own
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, weight.scalar_type(), "rms_norm_w", [&] {
+    to_float(weight.data_ptr<scalar_t>(), wf.data(), hidden);
+  });
   auto out = at::empty(xc.sizes(), xc.options().dtype(at::promote_types(x.scalar_type(), weight.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "rms_norm", [&] {
     using x_t = scalar_t;
@@ -196,7 +204,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       using o_t = scalar_t;
       const x_t* xp = xc.data_ptr<x_t>();
       o_t* op = out.data_ptr<o_t>();
-      const float* wp = wf.data_ptr<float>();
+      const float* wp = wf.data();
       at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> row(hidden);
         for (int64_t r = begin; r < end; ++r) {

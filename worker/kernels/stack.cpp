@@ -4,7 +4,7 @@
 // stream (or a draft model's forwards) each op's Python and dispatch cost, times thirty
 // layers, is a third of the step. This op runs the same ops, in the same order, on the same
 // kernels (canteen::rms_norm, skinny_linear or quant_linear, rotary, paged_decode_into,
-// silu_mul; torch's silu and arithmetic), so its outputs are the Python path's bit for bit;
+// silu_mul; torch's arithmetic), so its outputs are the Python path's bit for bit;
 // only the Python between them is gone. worker/model.py decides when it applies (CPU
 // kernels, a llama-like layer without q/k norms, linears with a kernel for the row count,
 // decode rows only) and keeps the Python path otherwise.
@@ -24,7 +24,6 @@
 namespace {
 
 constexpr int64_t kPerLayer = 14, kLinears = 4;
-constexpr int64_t kFusedGateRows = 4;  // worker/model.py, FUSED_GATE_ROWS
 
 c10::optional<at::Tensor> given(const at::Tensor& t) {
   return t.numel() ? c10::optional<at::Tensor>(t) : c10::nullopt;
@@ -104,14 +103,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
     const auto o = ops.linear(attended, w + 5, n[1]);
     x = residual == 1.0 ? x + o : x + o * residual;
     const auto gate_up = ops.linear(ops.norm.call(x, w[1], eps), w + 8, n[2]);
-    at::Tensor act;
-    if (tokens <= kFusedGateRows) {
-      act = ops.silu_mul.call(gate_up);
-    } else {
-      const auto parts = gate_up.chunk(2, -1);
-      act = at::silu(parts[0]) * parts[1];
-    }
-    const auto down = ops.linear(act, w + 11, n[3]);
+    const auto down = ops.linear(ops.silu_mul.call(gate_up), w + 11, n[3]);
     x = residual == 1.0 ? x + down : x + down * residual;
   }
   return x;
