@@ -23,6 +23,12 @@ to have stopped (EOS, a stop token) costs one wasted token and is dropped a step
 ``max_tokens`` is known ahead, so no plan computes past it. The worker runs plans strictly in
 order, so blocks freed now may go to the next plan even while an earlier one is in flight.
 Results of a plan apply only to sequences still in the incarnation it was sent to.
+
+A plan that verifies drafts makes between one and drafts + 1 tokens a sequence, so the plan
+built on top of it assumes the most: its blocks and its drafts' room cover every draft in
+flight holding, and a sequence that would be done if they all held waits for the result. The
+worker computes "the sequence's next token" whatever came before, so the plan is right for
+any outcome; reserved blocks that the drafts did not fill serve the sequence's later tokens.
 """
 
 from __future__ import annotations
@@ -149,7 +155,7 @@ class BatchScheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when there is nothing to send (or ``depth`` plans
         are in flight already)."""
-        if len(self._in_flight) >= self.depth or self._is_speculating:
+        if len(self._in_flight) >= self.depth:
             return None
         budget = self.limits.max_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
@@ -173,14 +179,6 @@ class BatchScheduler:
         self.num_steps += 1
         return self._to_plan(self.num_steps, chosen, drops, grants)
 
-    @property
-    def _is_speculating(self) -> bool:
-        """The newest plan in flight verifies drafts: how many tokens it makes is unknown
-        until it returns, so no plan is built on top of it."""
-        return bool(self._in_flight) and any(
-            s.num_draft_tokens for s in self._in_flight[-1][0].scheduled
-        )
-
     def update(self, result: StepResult) -> list[SeqEvent]:
         """Applies the oldest plan's result; returns what happened to each sequence."""
         if not self._in_flight or self._in_flight[0][0].step_id != result.step_id:
@@ -197,6 +195,7 @@ class BatchScheduler:
             entry = entries[seq_id]
             seq.num_in_flight -= entry.num_tokens
             seq.num_pending_samples -= entry.samples
+            seq.num_drafts_in_flight -= entry.drafts
             if seq_id not in refused:
                 known = seq.num_computed + entry.num_tokens
                 # accepted drafts were computed too; their tokens arrive with this result
@@ -231,7 +230,7 @@ class BatchScheduler:
         self.speculation.observe(
             len(plan.scheduled) if plan.kind == "decode" else 0,
             drafted,
-            _cycle_seconds(seconds, since) if drafted else seconds,
+            _cycle_seconds(seconds, since),
             result.num_draft_tokens,
             result.num_accepted_tokens,
         )
@@ -250,10 +249,10 @@ class BatchScheduler:
         for seq in seqs:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING or seq.is_done_ahead:
+            if seq.status is not Status.RUNNING or seq.may_be_done_ahead:
                 continue  # preempted while making room for another, or sampling its last
             n = min(seq.num_unscheduled, budget)
-            if n <= 0 or not self._grow(seq, seq.num_scheduled + n, in_plan):
+            if n <= 0 or not self._grow(seq, seq.num_scheduled_at_most + n, in_plan):
                 continue
             chosen.append((seq, n))
             in_plan.add(id(seq))
@@ -268,7 +267,7 @@ class BatchScheduler:
     def _reserve_drafts(self, seq: Sequence, k: int) -> int:
         """Blocks for up to ``k`` draft tokens after ``seq``'s scheduled ones, from free
         blocks only (drafts never preempt anyone); returns the drafts that fit."""
-        end = seq.num_scheduled + 1  # this step's token
+        end = seq.num_scheduled_at_most + 1  # this step's token, after drafts in flight
         need = self.pool.blocks_for(end + k) - len(seq.block_ids)
         if k > 0 and need > 0:
             spare = self.pool.num_free - self.limits.watermark_blocks
@@ -284,8 +283,9 @@ class BatchScheduler:
         which must stay within max_tokens and the context."""
         if not seq.allow_speculation or seq.sampling.constraint is not None:
             return 0
-        made = len(seq.output_ids) + seq.num_pending_samples
-        total = seq.num_tokens + seq.num_pending_samples
+        ahead = seq.num_pending_samples + seq.num_drafts_in_flight  # if every draft holds
+        made = len(seq.output_ids) + ahead
+        total = seq.num_tokens + ahead
         return min(seq.max_tokens - made - 1, seq.max_model_len - total - 1)
 
     def _on_token(self, seq: Sequence, token: SampledToken) -> SeqEvent:
@@ -451,6 +451,7 @@ class BatchScheduler:
             seq.num_in_flight += n
             seq.num_pending_samples += samples
             k = grants.get(seq.seq_id, 0)
+            seq.num_drafts_in_flight += k
             entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples, k)
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
             if self.depth > 1 and seq.is_done_ahead:
@@ -461,7 +462,7 @@ class BatchScheduler:
 
 
 def _cycle_seconds(seconds: float, since: float | None) -> float:
-    """What a drafting step cost in wall time. No plan is built on top of a drafting one, so
-    the worker also waited for the round trip since the last result; a pipelined step costs
-    only its own time. A gap over the step's own time was idleness, not its cost."""
+    """What a drafting step cost in wall time: where the worker waited for a round trip
+    before it (the plan could not be sent ahead), that too; a pipelined step costs only its
+    own time. A gap over the step's own time was idleness, not its cost."""
     return seconds if since is None else min(max(since, seconds), 2 * seconds)

@@ -76,6 +76,7 @@ class Sequence:
     # Pipelined steps: what plans the worker has not answered yet will compute and sample.
     num_in_flight: int = 0
     num_pending_samples: int = 0
+    num_drafts_in_flight: int = 0  # drafts granted to plans in flight: each may hold or not
     incarnation: int = 0  # bumped each time it is sent to a worker as new
 
     @property
@@ -120,9 +121,21 @@ class Sequence:
         total = self.num_tokens + self.num_pending_samples
         return num_output >= self.max_tokens or total >= self.max_model_len
 
+    @property
+    def num_scheduled_at_most(self) -> int:
+        """``num_scheduled`` if every draft in flight holds: what its blocks must cover."""
+        return self.num_scheduled + self.num_drafts_in_flight
+
+    @property
+    def may_be_done_ahead(self) -> bool:
+        """The plans in flight sample its last allowed token if their drafts all hold."""
+        num_output = len(self.output_ids) + self.num_pending_samples + self.num_drafts_in_flight
+        total = self.num_tokens + self.num_pending_samples + self.num_drafts_in_flight
+        return num_output >= self.max_tokens or total >= self.max_model_len
+
     def forget_in_flight(self) -> None:
         """Results of plans sent before now no longer apply (preempted, finished, lost)."""
-        self.num_in_flight = self.num_pending_samples = 0
+        self.num_in_flight = self.num_pending_samples = self.num_drafts_in_flight = 0
 
     @property
     def is_finished(self) -> bool:

@@ -1,9 +1,9 @@
 """When draft tokens pay: a rule learned from the worker's own decode steps and from each
 sequence's own drafts.
 
-A drafting step of B decoding sequences costs ``t_on`` seconds (verifying the drafts, a draft
-model's forwards, and the round trip: the batcher builds no plan on top of one, so the
-worker waits for it); a plain step costs ``t_off`` (pipelined: only its own time). Plain
+A drafting step of B decoding sequences costs ``t_on`` seconds (verifying the drafts, and a
+draft model's forwards); a plain step costs ``t_off``. Both are wall times between results,
+so a step the worker had to wait for (no plan in flight behind it) counts its wait. Plain
 steps make B tokens; drafting steps make B plus the drafts that held. So drafts pay when the
 sequences' expected accepted drafts per step, averaged over the batch, exceed
 ``t_on / t_off - 1``: the break-even, which grows with the batch (a small batch is bound by
@@ -25,7 +25,10 @@ many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``); drafts are no
 again where they could not pay even if every one held (a draft model's drafting step in a
 batch of 16 costs a dozen plain ones: one try would cost more than it could ever win).
 Drafts are not tried at a batch size when the batch's expected acceptance is below a smaller
-size's break-even (a bigger batch's break-even is higher). The first step after a switch is
+size's break-even (a bigger batch's break-even is higher), nor, above ``FREE_TRY_SIZE``, before
+the next smaller size has shown that they pay: a busy server that starts at 16 sequences and
+drains through 8, 4 and 2 would otherwise pay a measuring try at each size, each costing
+several plain steps where a draft model runs. The first step after a switch is
 not measured: turning drafts on costs a draft model with a pool of its own its catch-up on
 every sequence, once, not per step. So drafts turn off as the batch grows past where they pay, and
 back on as it shrinks or as a request whose drafts hold arrives.
@@ -40,8 +43,12 @@ EXPLORE_EVERY = 16  # steps of a batch size before the arm that looks worse is t
 MAX_EXPLORE_EVERY = 512
 TRY_STEPS = 2  # steps in a row of a tried arm (the first, the switch, is not measured)
 TIME_DECAY = 0.7  # weight a step-time estimate keeps per new measurement
-RECORD_DECAY = 0.5  # weight a sequence's acceptance keeps per drafting step
+# weight a sequence's acceptance keeps per drafting step: with drafts that hold 93% of the
+# time, one step in 14 accepts none, and a shorter memory took that one step for a change of
+# text and turned drafts off for the next EXPLORE_EVERY steps
+RECORD_DECAY = 0.8
 PRIOR_SHARE = 0.75  # a sequence never measured: this share of its drafts expected to hold
+FREE_TRY_SIZE = 2  # size buckets (1, 2-3 sequences) where drafts are tried unproven
 
 
 @dataclass
@@ -133,24 +140,29 @@ class SpeculationPolicy:
         if bucket.seconds.get(False) is None:
             return bucket.start_try(False)  # measure each arm, the cheap one first
         if need is None:
-            return False if self._lose_below(size, expected) else bucket.start_try(True)
+            return False if self._not_worth_a_try(size, expected) else bucket.start_try(True)
         best = expected > need
         bucket.steps += 1
         if bucket.steps >= bucket.explore_every:
-            if not best and (self.num_tokens <= need or self._lose_below(size, expected)):
+            if not best and (self.num_tokens <= need or self._not_worth_a_try(size, expected)):
                 bucket.steps = 0  # drafts could not pay here even if every one held
                 return False
             return bucket.start_try(not best)
         return best
 
-    def _lose_below(self, size: int, expected: float) -> bool:
-        """Drafts would lose at a smaller batch size with this acceptance: a bigger batch's
-        break-even is higher, so trying them here is not worth its cost."""
+    def _not_worth_a_try(self, size: int, expected: float) -> bool:
+        """Drafts would lose at a smaller batch size with this acceptance (a bigger batch's
+        break-even is higher), or, above FREE_TRY_SIZE, the next smaller size has not shown
+        that they pay: either way trying them here is not worth its cost. Drafts climb one
+        size at a time, so a worker whose single streams draft well does not try them at
+        16 sequences before 8 have shown they pay there too."""
         for smaller, bucket in self._buckets.items():
             need = bucket.break_even
             if smaller < size and need is not None and expected <= need:
                 return True
-        return False
+        below = self._buckets.get(size - 1)
+        need = None if below is None else below.break_even
+        return size > FREE_TRY_SIZE and (need is None or expected <= need)
 
     @property
     def acceptance_rate(self) -> float:

@@ -159,7 +159,9 @@ def test_seeded_streams_survive_preemption_and_sigkill_exactly(spec: Spec) -> No
 
 def test_a_draft_model_worker_streams_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
     """--speculative draft with the tiny model as its own draft: every draft holds, and 16
-    concurrent greedy streams still equal transformers."""
+    concurrent greedy streams still equal transformers. The rule tries drafts at a batch
+    size only once the next smaller one showed they pay, so batches of 1, 3, 6 and 12
+    streams come first, and the 16 streams then draft."""
     s = Suite(tmp_path)
     try:
         registry = s.start_tiny_registry(tiny_model_dir)
@@ -171,10 +173,21 @@ def test_a_draft_model_worker_streams_exactly(tiny_model_dir: Path, tmp_path: Pa
         drafted = Spec(s, registry, scheduler, gateway, {"worker": worker})
         tok = reference.tokenizer(tiny_model_dir)
         prompts = _prompts(16)
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            outputs = list(
-                pool.map(lambda p: drafted.complete(p, 30, temperature=0, ignore_eos=True), prompts)
-            )
+
+        def batch(n: int) -> list[list[int]]:
+            with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                return list(
+                    pool.map(
+                        lambda p: drafted.complete(p, 30, temperature=0, ignore_eos=True),
+                        prompts[:n],
+                    )
+                )
+
+        for n in (1, 3, 6, 12):
+            batch(n)
+        before = drafted.metric("canteen_speculative_draft_tokens_total")
+        outputs = batch(16)
+        assert drafted.metric("canteen_speculative_draft_tokens_total") > before
         for prompt, got in zip(prompts, outputs, strict=True):
             ids = list(tok(prompt, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
             assert got == reference.greedy(tiny_model_dir, ids, 30), prompt
