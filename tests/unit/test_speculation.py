@@ -422,11 +422,12 @@ def test_only_a_draft_of_the_same_weights_and_layout_reads_the_targets_pool(
         )
 
 
-def test_a_drafting_step_pays_for_the_round_trip_it_cannot_pipeline() -> None:
+def test_a_drafting_step_the_worker_waited_for_pays_for_its_round_trip() -> None:
     """Drafts that all miss make one token a step, as many as no drafts, in the same 1 ms of
-    compute; but no plan is built on top of a drafting one, so each drafting step also waits
-    for the round trip (5 ms here). Judged by wall time, drafts lose and the rule turns them
-    off; judged by compute alone it would keep them on (a tie goes to drafts)."""
+    compute; but here the worker waits 5 ms before each drafting step (as it does where the
+    plan behind a drafting one cannot be sent ahead: a sequence that would be done if its
+    drafts all held). Judged by wall time between results, drafts lose and the rule turns
+    them off; judged by compute alone it would keep them on (a tie goes to drafts)."""
     now = [0.0]
     limits = BatchConfig(max_batched_tokens=64, max_num_seqs=16, max_step_stall=0)
     sched = BatchScheduler(
