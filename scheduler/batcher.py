@@ -283,7 +283,7 @@ class BatchScheduler:
         which must stay within max_tokens and the context."""
         if not seq.allow_speculation or seq.sampling.constraint is not None:
             return 0
-        ahead = seq.num_pending_samples + seq.num_drafts_in_flight  # if every draft holds
+        ahead = seq.num_samples_at_most
         made = len(seq.output_ids) + ahead
         total = seq.num_tokens + ahead
         return min(seq.max_tokens - made - 1, seq.max_model_len - total - 1)
@@ -462,7 +462,7 @@ class BatchScheduler:
 
 
 def _cycle_seconds(seconds: float, since: float | None) -> float:
-    """What a drafting step cost in wall time: where the worker waited for a round trip
-    before it (the plan could not be sent ahead), that too; a pipelined step costs only its
-    own time. A gap over the step's own time was idleness, not its cost."""
+    """What a step cost in wall time: where the worker waited for a round trip before it
+    (its plan could not be sent ahead), that too; a pipelined step costs only its own time.
+    A gap over the step's own time was idleness, not its cost."""
     return seconds if since is None else min(max(since, seconds), 2 * seconds)

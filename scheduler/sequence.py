@@ -117,9 +117,12 @@ class Sequence:
     @property
     def is_done_ahead(self) -> bool:
         """The plans in flight already sample its last allowed token."""
-        num_output = len(self.output_ids) + self.num_pending_samples
-        total = self.num_tokens + self.num_pending_samples
-        return num_output >= self.max_tokens or total >= self.max_model_len
+        return self._done_after(self.num_pending_samples)
+
+    @property
+    def num_samples_at_most(self) -> int:
+        """Tokens the plans in flight sample if every draft in them holds."""
+        return self.num_pending_samples + self.num_drafts_in_flight
 
     @property
     def num_scheduled_at_most(self) -> int:
@@ -129,9 +132,12 @@ class Sequence:
     @property
     def may_be_done_ahead(self) -> bool:
         """The plans in flight sample its last allowed token if their drafts all hold."""
-        num_output = len(self.output_ids) + self.num_pending_samples + self.num_drafts_in_flight
-        total = self.num_tokens + self.num_pending_samples + self.num_drafts_in_flight
-        return num_output >= self.max_tokens or total >= self.max_model_len
+        return self._done_after(self.num_samples_at_most)
+
+    def _done_after(self, num_samples: int) -> bool:
+        """Whether ``num_samples`` more sampled tokens reach max_tokens or the context."""
+        num_output = len(self.output_ids) + num_samples
+        return num_output >= self.max_tokens or self.num_tokens + num_samples >= self.max_model_len
 
     def forget_in_flight(self) -> None:
         """Results of plans sent before now no longer apply (preempted, finished, lost)."""
