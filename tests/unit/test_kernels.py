@@ -54,9 +54,10 @@ def _kernel(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup) -> torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dim", [16, 24, 64, 128])  # 24: not whole vectors (the scalar path)
+def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype, dim: int) -> None:
     torch.manual_seed(0)
-    heads, kv_heads, dim, blocks = 6, 2, 16, 12
+    heads, kv_heads, blocks = 6, 2, 12
     pool = torch.randn(2, kv_heads, blocks * BLOCK, dim).to(dtype)
     # rows of different lengths, tables in any block order, the last one a partial block
     group = _group([[3, 7, 1], [5], [11, 2, 9, 4]], [11, 2, 16])
@@ -117,14 +118,31 @@ def test_without_a_compiler_the_worker_keeps_pure_torch(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("rows", "n", "k"),
-    [(1, 200, 72), (2, 200, 72), (5, 200, 72), (3, 7, 9), (8, 333, 576), (12, 50, 40), (4, 16, 2)],
+    [
+        (1, 200, 72),
+        (2, 200, 72),
+        (5, 200, 72),
+        (3, 7, 9),
+        (8, 333, 576),
+        (12, 50, 40),
+        (4, 16, 2),
+        # AMX tiles (where the CPU has AMX and K is a multiple of 32): one and two tiles of
+        # rows, N past whole groups of four and two blocks
+        (1, 333, 576),
+        (13, 333, 576),
+        (16, 72, 64),
+        (17, 333, 576),
+        (32, 50, 96),
+    ],
 )
 def test_skinny_linear_is_the_bfloat16_matmul(rows: int, n: int, k: int) -> None:
     """A few rows through Canteen's kernel: float32 sums of bfloat16 products, like
     oneDNN's, so the outputs agree up to the rounding of a differently ordered sum. N not a
     multiple of 16 (nor of the blocks the kernel takes at once) and an odd K included."""
-    from worker.quant import SKINNY_ROWS, PackedLinear, pack_lanes
+    from worker.quant import PackedLinear, pack_lanes, skinny_rows
 
+    if rows > skinny_rows(k):
+        pytest.skip(f"{rows} rows of {k} need AMX; this CPU's kernel takes {skinny_rows(k)}")
     torch.manual_seed(2)
     weight = (torch.randn(n, k) * 0.1).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
@@ -136,21 +154,22 @@ def test_skinny_linear_is_the_bfloat16_matmul(rows: int, n: int, k: int) -> None
     torch.testing.assert_close(
         plain, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0, rtol=2**-7
     )
-    assert rows <= SKINNY_ROWS
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN packs bfloat16 on this CPU
         assert torch.equal(PackedLinear(weight, bias)(x), got)  # the layer takes this path
 
 
 def test_each_rows_outputs_are_its_own_whatever_the_batch() -> None:
     """A row's sums do not depend on the rows beside it: a prompt decoded alone gets the
-    same bfloat16 outputs as in a batch of up to SKINNY_ROWS (oneDNN's differ by shape)."""
-    from worker.quant import SKINNY_ROWS, pack_lanes
+    same bfloat16 outputs as in a batch of up to skinny_rows (12, or 32 with AMX; oneDNN's
+    differ by shape)."""
+    from worker.quant import pack_lanes, skinny_rows
 
     torch.manual_seed(4)
-    weight, x = torch.randn(100, 576).bfloat16(), torch.randn(SKINNY_ROWS, 576).bfloat16()
+    most = skinny_rows(576)
+    weight, x = torch.randn(100, 576).bfloat16(), torch.randn(most, 576).bfloat16()
     lanes = pack_lanes(weight)
     batched = torch.ops.canteen.skinny_linear(x, lanes, 100, None)
-    for r in range(SKINNY_ROWS):
+    for r in range(most):
         alone = torch.ops.canteen.skinny_linear(x[r : r + 1], lanes, 100, None)
         assert torch.equal(alone[0], batched[r])
 
@@ -160,8 +179,18 @@ def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
 
     lanes = pack_lanes(torch.randn(20, 64).bfloat16())
     x = torch.randn(2, 64).bfloat16()
-    with pytest.raises(RuntimeError, match=r"x bfloat16 \[M <= 12, K\]"):
-        torch.ops.canteen.skinny_linear(torch.randn(13, 64).bfloat16(), lanes, 20, None)
+    most = torch.ops.canteen.skinny_rows(64)
+    assert most in (12, 32)  # 32: AMX tiles (K = 64 is two of them)
+    too_many = torch.randn(most + 1, 64).bfloat16()
+    with pytest.raises(
+        RuntimeError, match=f"at most {most} rows of 64 features here, got {most + 1}"
+    ):
+        torch.ops.canteen.skinny_linear(too_many, lanes, 20, None)
+    odd = pack_lanes(torch.randn(20, 40).bfloat16())  # K not a multiple of 32: never AMX
+    with pytest.raises(RuntimeError, match="at most 12 rows of 40 features here, got 13"):
+        torch.ops.canteen.skinny_linear(torch.randn(13, 40).bfloat16(), odd, 20, None)
+    with pytest.raises(RuntimeError, match="x bfloat16"):
+        torch.ops.canteen.skinny_linear(x.float(), lanes, 20, None)
     with pytest.raises(RuntimeError, match="for x's K"):
         torch.ops.canteen.skinny_linear(torch.randn(2, 96).bfloat16(), lanes, 20, None)
     with pytest.raises(RuntimeError, match="for x's K"):

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -32,22 +33,19 @@ namespace {
 using canteen::dot;
 using canteen::to_float;
 
-// One (row, kv head): the G query heads that share it, over the row's first `len` slots.
-template <typename T>
-void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t len,
-                int64_t group, int64_t dim, float scale, T* out) {
-  std::vector<float> qf(group * dim), row(dim), acc(group * dim, 0.f), scores(group * len);
-  for (int64_t h = 0; h < group; ++h) {
-    to_float(q + h * dim, qf.data() + h * dim, dim);
-    for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] *= scale;
+// Per-thread scratch of decode_one, reused across calls (no allocation per row and head).
+struct Scratch {
+  std::vector<float> q, acc, scores, row, total;
+  void size(int64_t group, int64_t dim, int64_t len) {
+    q.resize(group * dim), acc.assign(group * dim, 0.f), scores.resize(group * len);
+    row.resize(dim), total.resize(group);
   }
-  for (int64_t j = 0; j < len; ++j) {
-    to_float(keys + slots[j] * dim, row.data(), dim);
-    for (int64_t h = 0; h < group; ++h) scores[h * len + j] = dot(qf.data() + h * dim, row.data(), dim);
-  }
-  std::vector<float> total(group);
+};
+
+// Softmax numerators of each head's scores [group, len] in place; their sums into total.
+inline void exp_scores(float* scores, int64_t group, int64_t len, float* total) {
   for (int64_t h = 0; h < group; ++h) {
-    float* s = scores.data() + h * len;
+    float* s = scores + h * len;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t j = 0; j < len; ++j) top = std::max(top, s[j]);
     for (int64_t j = 0; j < len; ++j) s[j] -= top;
@@ -56,17 +54,95 @@ void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots
     for (int64_t j = 0; j < len; ++j) sum += s[j];
     total[h] = sum;
   }
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16(const at::BFloat16* p) {  // bfloat16 is float32's upper half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// decode_one for float32 or bfloat16 with D = 16 V: each key and value row is loaded once
+// for the G heads, and each head's dot product stays in V vector registers.
+template <typename T, int V>
+void decode_one_vec(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t len,
+                    int64_t group, float scale, T* out, Scratch& w) {
+  constexpr int64_t dim = 16 * V;
+  w.size(group, dim, len);
+  for (int64_t h = 0; h < group; ++h)
+    for (int64_t d = 0; d < dim; ++d) w.q[h * dim + d] = static_cast<float>(q[h * dim + d]) * scale;
   for (int64_t j = 0; j < len; ++j) {
-    to_float(values + slots[j] * dim, row.data(), dim);
+    __m512 k[V];
+    for (int v = 0; v < V; ++v) k[v] = load16(keys + slots[j] * dim + 16 * v);
     for (int64_t h = 0; h < group; ++h) {
-      const float p = scores[h * len + j];
-      float* a = acc.data() + h * dim;
+      const float* qh = w.q.data() + h * dim;
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), k[0]);
+      for (int v = 1; v < V; ++v) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), k[v], sum);
+      w.scores[h * len + j] = _mm512_reduce_add_ps(sum);
+    }
+  }
+  exp_scores(w.scores.data(), group, len, w.total.data());
+  for (int64_t h = 0; h < group; ++h) {
+    __m512 acc[V];
+    for (int v = 0; v < V; ++v) acc[v] = _mm512_setzero_ps();
+    const float* p = w.scores.data() + h * len;
+    for (int64_t j = 0; j < len; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int v = 0; v < V; ++v)
+        acc[v] = _mm512_fmadd_ps(pj, load16(values + slots[j] * dim + 16 * v), acc[v]);
+    }
+    const __m512 inv = _mm512_set1_ps(w.total[h]);
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(w.acc.data() + h * dim + 16 * v, _mm512_div_ps(acc[v], inv));
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(w.acc[h * dim + d]);
+  }
+}
+#endif
+
+// One (row, kv head): the G query heads that share it, over the row's first `len` slots.
+template <typename T>
+void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t len,
+                int64_t group, int64_t dim, float scale, T* out) {
+  thread_local Scratch w;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    switch (dim) {
+      case 64: return decode_one_vec<T, 4>(q, keys, values, slots, len, group, scale, out, w);
+      case 128: return decode_one_vec<T, 8>(q, keys, values, slots, len, group, scale, out, w);
+      case 32: return decode_one_vec<T, 2>(q, keys, values, slots, len, group, scale, out, w);
+      case 16: return decode_one_vec<T, 1>(q, keys, values, slots, len, group, scale, out, w);
+      default: break;
+    }
+  }
+#endif
+  w.size(group, dim, len);
+  float* qf = w.q.data();
+  for (int64_t h = 0; h < group; ++h) {
+    to_float(q + h * dim, qf + h * dim, dim);
+    for (int64_t d = 0; d < dim; ++d) qf[h * dim + d] *= scale;
+  }
+  for (int64_t j = 0; j < len; ++j) {
+    to_float(keys + slots[j] * dim, w.row.data(), dim);
+    for (int64_t h = 0; h < group; ++h) w.scores[h * len + j] = dot(qf + h * dim, w.row.data(), dim);
+  }
+  exp_scores(w.scores.data(), group, len, w.total.data());
+  for (int64_t j = 0; j < len; ++j) {
+    to_float(values + slots[j] * dim, w.row.data(), dim);
+    for (int64_t h = 0; h < group; ++h) {
+      const float p = w.scores[h * len + j];
+      float* a = w.acc.data() + h * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * row[d];
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * w.row[d];
     }
   }
   for (int64_t h = 0; h < group; ++h)
-    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(acc[h * dim + d] / total[h]);
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(w.acc[h * dim + d] / w.total[h]);
 }
 
 // Decode attention of rows[b] for b < B, written into out[rows[b]]: q [T, heads, D] (the

@@ -25,8 +25,13 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define CANTEEN_AMX 1
 #endif
 
 namespace {
@@ -97,11 +102,178 @@ constexpr std::array<LaneFn, sizeof...(R)> one_dots(std::integer_sequence<int, R
 constexpr auto kWideDots = wide_dots(std::make_integer_sequence<int, kMaxRows>{});
 constexpr auto kOneDots = one_dots(std::make_integer_sequence<int, kMaxRows>{});
 
-// x [M <= 12, K] bfloat16 @ the weight [n, K]^T (+ bias), the weight in pack_lanes' layout.
+
+#if defined(CANTEEN_AMX)
+// With AMX (Xeon Sapphire Rapids on), one TDPBF16PS multiplies 16 rows of x by a 16 x 32
+// tile of the weight, and the lanes layout is already AMX's B tile: for a block b, the 16
+// pairs p in [16c, 16c + 16) are 16 rows of 64 bytes, one kilobyte in a row. So up to
+// kAmxRows rows (x zero-padded to 16 or 32) cost one read of the weights, as one row does,
+// where the AVX512-BF16 dot products above run out of registers past a few rows. Every
+// output is the same float32 sum along K whatever the row count, so a row's result does not
+// depend on the rows beside it.
+constexpr int kAmxRows = 32;
+constexpr int64_t kTile = 16;          // rows of a tile, and pairs of K per tile
+constexpr int64_t kTileBytes = 1024;   // 16 rows x 64 bytes
+constexpr int kAmxBlocks = 4;          // C tiles 0-3, x in tile 4, weights in tiles 5-7
+
+// Linux hands AMX's tile state to a process only on request (arch_prctl); once per process.
+bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kTile;
+  }
+};
+
+// 16 rows of x (row stride ``x_stride`` bytes) against Count blocks of lanes (``block_bytes``
+// apart), ``chunks`` tiles of K each; float32 sums to out[Count][16][16].
+template <int Count>
+void amx_blocks(const uint8_t* x, int64_t x_stride, const uint8_t* w, int64_t block_bytes,
+                int64_t chunks, float* out) {
+  _tile_zero(0);
+  if constexpr (Count > 1) _tile_zero(1);
+  if constexpr (Count > 2) _tile_zero(2);
+  if constexpr (Count > 3) _tile_zero(3);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* wc = w + c * kTileBytes;
+    _tile_loadd(4, x + c * 64, x_stride);
+    _tile_loadd(5, wc, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (Count > 1) {
+      _tile_loadd(6, wc + block_bytes, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (Count > 2) {
+      _tile_loadd(7, wc + 2 * block_bytes, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (Count > 3) {
+      _tile_loadd(5, wc + 3 * block_bytes, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  _tile_stored(0, out, 64);
+  if constexpr (Count > 1) _tile_stored(1, out + 256, 64);
+  if constexpr (Count > 2) _tile_stored(2, out + 512, 64);
+  if constexpr (Count > 3) _tile_stored(3, out + 768, 64);
+}
+
+// 32 rows of x (two tiles of rows, ``x_group`` bytes apart) against Count <= 2 blocks: sums
+// to out[2][Count][16][16]. Each weight tile is loaded once for both tiles of rows.
+template <int Count>
+void amx_blocks2(const uint8_t* x, int64_t x_stride, int64_t x_group, const uint8_t* w,
+                 int64_t block_bytes, int64_t chunks, float* out) {
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (Count > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* wc = w + c * kTileBytes;
+    _tile_loadd(4, x + c * 64, x_stride);
+    _tile_loadd(5, x + x_group + c * 64, x_stride);
+    _tile_loadd(6, wc, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if constexpr (Count > 1) {
+      _tile_loadd(7, wc + block_bytes, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, 64);
+  _tile_stored(2, out + Count * 256, 64);
+  if constexpr (Count > 1) {
+    _tile_stored(1, out + 256, 64);
+    _tile_stored(3, out + 768, 64);
+  }
+}
+
+// One row's sums of ``count`` blocks (each a tile of 16 x 16 apart), plus the bias, as
+// bfloat16 into the output row ``out`` from column ``first`` on (up to n).
+void store_row(const float* sums, int count, const float* bias, int64_t first, int64_t n,
+               at::BFloat16* out) {
+  for (int c = 0; c < count; ++c) {
+    const int64_t j = first + c * kLanes;
+    if (j >= n) return;
+    const float* s = sums + c * kTile * kLanes;
+    if (j + kLanes <= n) {
+      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(bias + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(v));
+    } else {
+      for (int64_t i = 0; j + i < n; ++i) out[j + i] = static_cast<at::BFloat16>(s[i] + bias[j + i]);
+    }
+  }
+}
+
+using AmxFn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, float*);
+constexpr AmxFn kAmxFns[kAmxBlocks] = {amx_blocks<1>, amx_blocks<2>, amx_blocks<3>, amx_blocks<4>};
+using Amx2Fn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*);
+constexpr Amx2Fn kAmx2Fns[2] = {amx_blocks2<1>, amx_blocks2<2>};
+
+void amx_linear(const at::Tensor& x, const uint8_t* w, int64_t n, const std::vector<float>& b,
+                at::Tensor& out) {
+  const int64_t rows = x.size(0), k = x.size(1), groups_of_rows = (rows + kTile - 1) / kTile;
+  const int64_t blocks = (n + kLanes - 1) / kLanes, chunks = k / 32, block_bytes = chunks * kTileBytes;
+  // x zero-padded to whole tiles of rows
+  std::vector<at::BFloat16> xp(groups_of_rows * kTile * k, at::BFloat16(0.f));
+  std::memcpy(xp.data(), x.data_ptr<at::BFloat16>(), rows * k * sizeof(at::BFloat16));
+  const auto* xb = reinterpret_cast<const uint8_t*>(xp.data());
+  auto* op = out.data_ptr<at::BFloat16>();
+  // blocks a task takes: four for one tile of rows, two for two (the C tiles are four)
+  const int per_task = groups_of_rows == 1 ? kAmxBlocks : 2;
+  const int64_t tasks = (blocks + per_task - 1) / per_task;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    const TileConfig config;
+    _tile_loadconfig(&config);
+    alignas(64) float sums[2 * kAmxBlocks * kTile * kLanes];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t blk = t * per_task;
+      const int count = static_cast<int>(std::min<int64_t>(per_task, blocks - blk));
+      const uint8_t* wt = w + blk * block_bytes;
+      if (groups_of_rows == 1)
+        kAmxFns[count - 1](xb, k * 2, wt, block_bytes, chunks, sums);
+      else
+        kAmx2Fns[count - 1](xb, k * 2, kTile * k * 2, wt, block_bytes, chunks, sums);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = sums + (r / kTile) * count * kTile * kLanes + (r % kTile) * kLanes;
+        store_row(row, count, b.data(), blk * kLanes, n, op + r * n);
+      }
+    }
+    _tile_release();
+  });
+}
+
+bool amx_takes(int64_t rows, int64_t k) { return rows <= kAmxRows && k % 32 == 0 && amx_ready(); }
+#else
+bool amx_takes(int64_t, int64_t) { return false; }
+#endif
+
+// The most rows skinny_linear takes for an input of k features on this machine.
+int64_t skinny_rows(int64_t k) {
+#if defined(CANTEEN_AMX)
+  if (amx_takes(kAmxRows, k)) return kAmxRows;
+#endif
+  return kMaxRows;
+}
+
+// x [M <= skinny_rows(K), K] bfloat16 @ the weight [n, K]^T (+ bias), the weight in pack_lanes' layout.
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
                          const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows && x.scalar_type() == at::kBFloat16,
-              "skinny_linear: x bfloat16 [M <= 12, K]");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "skinny_linear: x bfloat16 [M, K]");
+  TORCH_CHECK(x.size(0) <= skinny_rows(x.size(1)), "skinny_linear: at most ", skinny_rows(x.size(1)),
+              " rows of ", x.size(1), " features here, got ", x.size(0));
   const int64_t rows = x.size(0), k = x.size(1), pairs = (k + 1) / 2, blocks = (n + kLanes - 1) / kLanes;
   TORCH_CHECK(lanes.scalar_type() == at::kBFloat16 &&
                   lanes.sizes() == at::IntArrayRef({blocks, pairs, kLanes, 2}),
@@ -110,6 +282,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
   auto out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
   const auto xc = x.contiguous(), lc = lanes.contiguous();
+#if defined(CANTEEN_AMX)
+  if (amx_takes(rows, k)) {
+    amx_linear(xc, reinterpret_cast<const uint8_t*>(lc.data_ptr<at::BFloat16>()), n, b, out);
+    return out;
+  }
+#endif
   const auto xp = x_pairs(xc.data_ptr<at::BFloat16>(), rows, k, pairs);
   const auto* wp = reinterpret_cast<const uint32_t*>(lc.data_ptr<at::BFloat16>());
   auto* op = out.data_ptr<at::BFloat16>();
@@ -135,6 +313,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
 
 TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def("skinny_linear(Tensor x, Tensor lanes, int n, Tensor? bias) -> Tensor");
+  m.def("skinny_rows(int k) -> int", &skinny_rows);
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
