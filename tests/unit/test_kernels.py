@@ -224,6 +224,31 @@ def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> No
         assert torch.equal(got, torch.nn.functional.silu(gate) * up), (rows, inner)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kv_writes_what_rotary_and_index_copy_write(dtype: torch.dtype) -> None:
+    """decode_layers' one pass over the QKV output: the rotated queries it returns, and the
+    rotated keys and the values it writes into the pool, are rotary's and index_copy_'s bit
+    for bit; no other slot changes, and a slot past the pool is refused before any write."""
+    from worker.model import _rotate
+
+    torch.manual_seed(5)
+    tokens, heads, kv_heads, dim, slots = 3, 6, 2, 16, 40
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim).to(dtype)
+    cos, sin = torch.randn(tokens, 1, dim).to(dtype), torch.randn(tokens, 1, dim).to(dtype)
+    pool = torch.randn(2, kv_heads, slots, dim).to(dtype)
+    slot_mapping = torch.tensor([17, 3, 38])
+    want_pool = pool.clone()
+    rotated = _rotate(qkv[:, : heads + kv_heads], cos, sin)
+    want_pool[0].index_copy_(1, slot_mapping, rotated[:, heads:].transpose(0, 1))
+    want_pool[1].index_copy_(1, slot_mapping, qkv[:, heads + kv_heads :].transpose(0, 1))
+    q = torch.ops.canteen.rotary_kv(qkv, heads, kv_heads, cos, sin, pool, slot_mapping)
+    assert torch.equal(q, rotated[:, :heads])
+    assert torch.equal(pool, want_pool)
+    with pytest.raises(RuntimeError, match="rotary_kv: slot 40 out of range"):
+        torch.ops.canteen.rotary_kv(qkv, heads, kv_heads, cos, sin, pool, torch.tensor([1, 40, 2]))
+    assert torch.equal(pool, want_pool)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_greedy_pick_is_torchs_max_and_logsumexp(rows: int) -> None:
     """The sampler's one-pass kernel picks torch.max's value and first index (ties included)

@@ -7,6 +7,8 @@
 //   canteen::rms_norm           transformers' RMSNorm in one pass (eight ops there)
 //   canteen::silu_mul           the MLP's gate, silu(gate) * up, in one pass
 //   canteen::rotary             rotary on q or k straight out of the fused QKV output
+//   canteen::rotary_kv          rotary on q and k, and k and v written into the paged pool,
+//                               in one pass over a decode step's QKV output
 //
 // dense.cpp adds canteen::skinny_linear (bfloat16 x @ w^T for a few rows, near read
 // bandwidth), lowbit.cpp canteen::quant_linear (4- and 8-bit weights, int8 activations).
@@ -25,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -230,14 +233,34 @@ at::Tensor silu_mul(const at::Tensor& x) {
 // Rotary on the first `heads` heads of x [T, >= heads, D] (a view into the QKV output), as
 // worker/model.py's _rotate: x * cos + swap_halves(x) * signed_sin, each op rounded like
 // torch's; returns [T, heads, D].
+// One head of rotary: o = x * cos + rotate_half(x) * sin, each product and the sum rounded to
+// T as transformers' apply_rotary_pos_emb rounds them (sin carries rotate_half's signs).
+template <typename T>
+inline void rotate_head(const T* in, const T* cp, const T* sp, int64_t dim, T* o) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) {
+    const T swapped = in[d < half ? d + half : d - half];
+    const auto a = static_cast<T>(static_cast<float>(in[d]) * static_cast<float>(cp[d]));
+    const auto b = static_cast<T>(static_cast<float>(swapped) * static_cast<float>(sp[d]));
+    o[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
+  }
+}
+
+std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& x, const at::Tensor& cos,
+                                                const at::Tensor& signed_sin) {
+  const int64_t tokens = x.size(0), dim = x.size(2);
+  auto cc = cos.reshape({tokens, dim}).contiguous();
+  auto sc = signed_sin.reshape({tokens, dim}).contiguous();
+  TORCH_CHECK(cc.scalar_type() == x.scalar_type() && sc.scalar_type() == x.scalar_type(),
+              "rotary: cos and sin in x's dtype");
+  return {cc, sc};
+}
+
 at::Tensor rotary(const at::Tensor& x, int64_t heads, const at::Tensor& cos,
                   const at::Tensor& signed_sin) {
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && heads <= x.size(1), "rotary: x [T, n, D]");
-  const int64_t tokens = x.size(0), dim = x.size(2), half = dim / 2;
-  const auto cc = cos.reshape({tokens, dim}).contiguous();
-  const auto sc = signed_sin.reshape({tokens, dim}).contiguous();
-  TORCH_CHECK(cc.scalar_type() == x.scalar_type() && sc.scalar_type() == x.scalar_type(),
-              "rotary: cos and sin in x's dtype");
+  const int64_t tokens = x.size(0), dim = x.size(2);
+  const auto [cc, sc] = rotary_tables(x, cos, signed_sin);
   auto out = at::empty({tokens, heads, dim}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
     using T = scalar_t;
@@ -248,19 +271,54 @@ at::Tensor rotary(const at::Tensor& x, int64_t heads, const at::Tensor& cos,
     const int64_t s0 = x.stride(0), s1 = x.stride(1);
     at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t)
-        for (int64_t h = 0; h < heads; ++h) {
-          const T* in = xp + t * s0 + h * s1;
-          T* o = op + (t * heads + h) * dim;
-          for (int64_t d = 0; d < dim; ++d) {
-            const T swapped = in[d < half ? d + half : d - half];
-            const auto a = static_cast<T>(static_cast<float>(in[d]) * static_cast<float>(cp[t * dim + d]));
-            const auto b = static_cast<T>(static_cast<float>(swapped) * static_cast<float>(sp[t * dim + d]));
-            o[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
-          }
-        }
+        for (int64_t h = 0; h < heads; ++h)
+          rotate_head(xp + t * s0 + h * s1, cp + t * dim, sp + t * dim, dim, op + (t * heads + h) * dim);
     });
   });
   return out;
+}
+
+// A decode step's QKV output [T, H + 2 KVH, D] in one pass: returns the queries rotated
+// ([T, H, D]), and writes the rotated keys and the values into one layer's pool [2, KVH, S, D]
+// at slot_mapping[t]; the values of rotary() and index_copy_, bit for bit.
+at::Tensor rotary_kv(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
+                     const at::Tensor& signed_sin, at::Tensor& pool, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.is_contiguous() && qkv.size(1) == heads + 2 * kv_heads,
+              "rotary_kv: qkv [T, heads + 2 kv_heads, D], contiguous");
+  TORCH_CHECK(pool.dim() == 4 && pool.is_contiguous() && pool.size(0) == 2 && pool.size(1) == kv_heads &&
+                  pool.size(3) == qkv.size(2) && pool.scalar_type() == qkv.scalar_type(),
+              "rotary_kv: pool [2, kv_heads, slots, D] in qkv's dtype, contiguous");
+  const int64_t tokens = qkv.size(0), dim = qkv.size(2), slots = pool.size(2);
+  const auto sm = slot_mapping.contiguous();
+  TORCH_CHECK(sm.scalar_type() == at::kLong && sm.numel() == tokens, "rotary_kv: slot_mapping int64 [T]");
+  const int64_t* slot = sm.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "rotary_kv: slot ", slot[t], " out of range");
+  const auto [cc, sc] = rotary_tables(qkv, cos, signed_sin);
+  auto q = at::empty({tokens, heads, dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_kv", [&] {
+    using T = scalar_t;
+    const T* xp = qkv.data_ptr<T>();
+    const T* cp = cc.data_ptr<T>();
+    const T* sp = sc.data_ptr<T>();
+    T* qp = q.data_ptr<T>();
+    T* keys = pool.data_ptr<T>();
+    T* values = keys + kv_heads * slots * dim;
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* row = xp + t * width;
+        for (int64_t h = 0; h < heads; ++h)
+          rotate_head(row + h * dim, cp + t * dim, sp + t * dim, dim, qp + (t * heads + h) * dim);
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const int64_t off = (g * slots + slot[t]) * dim;
+          rotate_head(row + (heads + g) * dim, cp + t * dim, sp + t * dim, dim, keys + off);
+          std::memcpy(values + off, row + (heads + kv_heads + g) * dim, dim * sizeof(T));
+        }
+      }
+    });
+  });
+  return q;
 }
 
 // transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), float32 inside.
@@ -306,6 +364,9 @@ TORCH_LIBRARY(canteen, m) {
       "Tensor rows, float scale) -> ()");
   m.def("silu_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor x, int heads, Tensor cos, Tensor signed_sin) -> Tensor");
+  m.def(
+      "rotary_kv(Tensor qkv, int heads, int kv_heads, Tensor cos, Tensor signed_sin, "
+      "Tensor(a!) pool, Tensor slot_mapping) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
 }
 
@@ -313,5 +374,6 @@ TORCH_LIBRARY_IMPL(canteen, CPU, m) {
   m.impl("paged_decode_into", &paged_decode_into);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary", &rotary);
+  m.impl("rotary_kv", &rotary_kv);
   m.impl("rms_norm", &rms_norm);
 }

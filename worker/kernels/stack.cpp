@@ -3,7 +3,7 @@
 // worker/model.py's Layer runs about fifteen ops per layer; for the one row of a single
 // stream (or a draft model's forwards) each op's Python and dispatch cost, times thirty
 // layers, is a third of the step. This op runs the same ops, in the same order, on the same
-// kernels (canteen::rms_norm, skinny_linear or quant_linear, rotary, paged_decode_into,
+// kernels (canteen::rms_norm, skinny_linear or quant_linear, rotary_kv, paged_decode_into,
 // silu_mul; torch's arithmetic), so its outputs are the Python path's bit for bit;
 // only the Python between them is gone. worker/model.py decides when it applies (CPU
 // kernels, a llama-like layer without q/k norms, linears with a kernel for the row count,
@@ -44,6 +44,9 @@ struct Ops {
                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
       attend;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&,
+                                      const at::Tensor&, at::Tensor&, const at::Tensor&)>
+      rotary_kv;
 
   static const Ops& get() {
     static const Ops ops = [] {
@@ -63,6 +66,9 @@ struct Ops {
               .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, double)>(),
           find("canteen::silu_mul").typed<at::Tensor(const at::Tensor&)>(),
+          find("canteen::rotary_kv")
+              .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&,
+                                const at::Tensor&, at::Tensor&, const at::Tensor&)>(),
       };
     }();
     return ops;
@@ -92,11 +98,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
     const int64_t* n = sizes.data() + layer * kLinears;
     const auto pool = kv_pool.select(0, layer).view({2, kv_heads, -1, dim});
     const auto qkv = ops.linear(ops.norm.call(x, w[0], eps), w + 2, n[0]).view({tokens, -1, dim});
-    const auto q = ops.rotary.call(qkv, heads, cos, sin).contiguous();
-    const auto k = ops.rotary.call(qkv.slice(1, heads), kv_heads, cos, sin);
-    const auto v = qkv.slice(1, heads + kv_heads);
-    pool.select(0, 0).index_copy_(1, slot_mapping, k.transpose(0, 1));
-    pool.select(0, 1).index_copy_(1, slot_mapping, v.transpose(0, 1));
+    auto pool_layer = pool;  // rotary_kv writes the keys and values through it
+    const auto q = ops.rotary_kv.call(qkv, heads, kv_heads, cos, sin, pool_layer, slot_mapping);
     auto attended = at::empty({tokens, heads * dim}, q.options());
     for (size_t g = 0; g < groups.size(); g += 3)
       ops.attend.call(attended, q, pool, groups[g], groups[g + 1], groups[g + 2], scale);
