@@ -7,12 +7,14 @@ Cases (SmolLM2, greedy; the two sides make identical tokens):
   open    one stream, open-ended questions
   busy    N concurrent open-ended streams (drafts must not hurt a busy server)
 
-A round of a one-stream case runs ``--repeats`` fresh prompts per side, alternating which
-side goes first each time (the host's speed drifts within seconds); rounds are reported in
+A round of a one-stream case runs ``--repeats`` fresh prompts per side, and of the busy case
+``--busy-repeats`` runs of N fresh streams per side, alternating which side goes first each
+time (the host's speed drifts within seconds); rounds are reported in
 the order they ran, with the acceptance rate the scheduler measured over the drafting side's
 requests.
 
 Usage: python bench/speculative.py [--rounds 3] [--tokens 96] [--streams 16] [--repeats 4]
+       [--busy-repeats 2]
        [--speculative ngram|draft-int4] [--cases edit,open,busy]
        [--worker-arg=... ...] [--json out.json]
 """
@@ -139,6 +141,9 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=4, help="requests per side per round of a one-stream case"
     )
+    parser.add_argument(
+        "--busy-repeats", type=int, default=2, help="runs of --streams streams per side per round"
+    )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument(
         "--speculative",
@@ -169,7 +174,7 @@ def main() -> None:
                 case(stack, name, -1, min(n, 2), 8, 1)
             for r in range(args.rounds):
                 for name, n in cases.items():
-                    repeats = args.repeats if n == 1 else 1
+                    repeats = args.repeats if n == 1 else args.busy_repeats
                     results[name].append(case(stack, name, r, n, args.tokens, repeats))
     report = {
         "cpu": cpu_model(),

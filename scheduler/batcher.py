@@ -162,12 +162,18 @@ class BatchScheduler:
         in_plan: set[int] = set()
         by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
         decoding = [s for s in by_importance if s.is_decoding_ahead]
+        prefilling = [s for s in by_importance if not s.is_decoding_ahead]
         grants: dict[str, int] = {}
-        drafts = self.speculation.drafts_for(
-            len(decoding), [s.drafting for s in decoding if self._draft_room(s) > 0]
+        # Drafts wait while prompts do: a drafting step lasts several plain ones, and every
+        # prompt waiting for its prefill would wait that long too.
+        drafts = (
+            0
+            if prefilling or self.waiting
+            else self.speculation.drafts_for(
+                len(decoding), [s.drafting for s in decoding if self._draft_room(s) > 0]
+            )
         )
         budget = self._run(decoding, budget, chosen, in_plan, grants, drafts)
-        prefilling = [s for s in by_importance if not s.is_decoding_ahead]
         if chosen and self.cost is not None:
             waiting = len(prefilling) + len(self.waiting)
             budget = min(budget, self.cost.prefill_budget(len(chosen), waiting))

@@ -132,6 +132,38 @@ def test_the_plan_after_one_that_verifies_drafts_is_sent_before_it_returns() -> 
         assert sched.pool.num_free == 64 and not sched.running
 
 
+def test_drafts_wait_while_a_prompt_waits_for_its_prefill() -> None:
+    """A drafting step lasts several plain ones: a stream drafts alone, stops drafting while
+    a new prompt waits and prefills (in two chunks here), drafts again once both decode, and
+    both answers are exact."""
+    sched, worker = speculating(depth=1), DraftingWorker(64)
+    a = make_seq("a", prompt_len=5, max_tokens=80)
+    sched.add(a)
+
+    def step() -> StepPlan:
+        plan = sched.schedule()
+        assert plan is not None
+        sched.update(worker.step(plan))
+        return plan
+
+    def drafting(plan: StepPlan) -> bool:
+        return any(s.num_draft_tokens for s in plan.scheduled)
+
+    assert any(drafting(step()) for _ in range(10))
+    b = make_seq("b", prompt_len=100, max_tokens=30)  # 100 tokens: two steps of at most 64
+    sched.add(b)
+    while_b_waits = []
+    while not b.output_ids:
+        while_b_waits.append(step())
+        assert len(while_b_waits) < 10
+    assert len(while_b_waits) >= 2 and not any(map(drafting, while_b_waits))
+    assert any(drafting(step()) for _ in range(10))
+    drive(sched, worker, [a, b])
+    assert a.output_ids == expected_tokens(a.prompt_ids, 80)
+    assert b.output_ids == expected_tokens(b.prompt_ids, 30)
+    assert sched.pool.num_free == 64
+
+
 def test_a_stop_token_inside_an_accepted_run_ends_the_answer_there() -> None:
     probe = make_seq("s", prompt_len=6, max_tokens=50)
     stop = expected_tokens(probe.prompt_ids, 7)[6]
