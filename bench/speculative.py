@@ -14,7 +14,7 @@ the order they ran, with the acceptance rate the scheduler measured over the dra
 requests.
 
 Usage: python bench/speculative.py [--rounds 3] [--tokens 96] [--streams 16] [--repeats 4]
-       [--busy-repeats 2]
+       [--busy-repeats 4]
        [--speculative ngram|draft-int4] [--cases edit,open,busy]
        [--worker-arg=... ...] [--json out.json]
 """
@@ -142,7 +142,7 @@ def main() -> None:
         "--repeats", type=int, default=4, help="requests per side per round of a one-stream case"
     )
     parser.add_argument(
-        "--busy-repeats", type=int, default=2, help="runs of --streams streams per side per round"
+        "--busy-repeats", type=int, default=4, help="runs of --streams streams per side per round"
     )
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument(
