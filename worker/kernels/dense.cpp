@@ -28,7 +28,7 @@
 #if defined(__AVX512BF16__) || defined(__AMX_BF16__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define CANTEEN_AMX 1
@@ -101,7 +101,6 @@ constexpr std::array<LaneFn, sizeof...(R)> one_dots(std::integer_sequence<int, R
 }
 constexpr auto kWideDots = wide_dots(std::make_integer_sequence<int, kMaxRows>{});
 constexpr auto kOneDots = one_dots(std::make_integer_sequence<int, kMaxRows>{});
-
 
 #if defined(CANTEEN_AMX)
 // With AMX (Xeon Sapphire Rapids on), one TDPBF16PS multiplies 16 rows of x by a 16 x 32
