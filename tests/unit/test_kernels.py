@@ -200,6 +200,47 @@ def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
     assert torch.ops.canteen.skinny_linear(x[:0], lanes, 20, None).shape == (0, 20)
 
 
+@pytest.mark.parametrize(
+    ("rows", "k"),
+    [(1, 72), (5, 72), (12, 72), (1, 96), (16, 96), (17, 96), (32, 96)],  # K = 96: AMX tiles
+)
+def test_a_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(rows: int, k: int) -> None:
+    """decode_layers lets the linears finish the ops after them: ``x + o_proj(a)`` and
+    ``silu_mul(gate_up_proj(h))`` come out of skinny_linear with the bits of the separate
+    ops. 80 gate outputs: 64 whose exp torch computes vectorized, 16 on its scalar tail, and
+    an odd count of gate blocks (the up half starts mid-task)."""
+    from worker.quant import pack_lanes, skinny_rows
+
+    if rows > skinny_rows(k):
+        pytest.skip(f"{rows} rows of {k} need AMX; this CPU's kernel takes {skinny_rows(k)}")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    gate_up = (torch.randn(160, k, generator=g) * 0.3).bfloat16()
+    bias = torch.randn(160, generator=g).bfloat16()
+    lanes = pack_lanes(gate_up)
+    ops = torch.ops.canteen
+    want = ops.silu_mul(ops.skinny_linear(x, lanes, 160, bias))
+    got = ops.skinny_linear(x, lanes, 160, bias, None, True)
+    assert got.shape == (rows, 80) and torch.equal(got, want)
+    residual = torch.randn(rows, 160, generator=g).bfloat16()
+    added = ops.skinny_linear(x, lanes, 160, bias, residual)
+    assert torch.equal(added, residual + ops.skinny_linear(x, lanes, 160, bias))
+
+
+def test_a_fused_finish_refuses_what_it_cannot_compute() -> None:
+    from worker.quant import pack_lanes
+
+    x, ops = torch.randn(2, 64).bfloat16(), torch.ops.canteen
+    lanes = pack_lanes(torch.randn(48, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="each a multiple of 16, got 48"):
+        ops.skinny_linear(x, lanes, 48, None, None, True)  # 24 gate outputs: not whole blocks
+    with pytest.raises(RuntimeError, match=r"residual \[M, N\]"):
+        ops.skinny_linear(x, lanes, 48, None, torch.zeros(2, 47).bfloat16())
+    with pytest.raises(RuntimeError, match="a residual or a gate, not both"):
+        lanes64 = pack_lanes(torch.randn(64, 64).bfloat16())
+        ops.skinny_linear(x, lanes64, 64, None, torch.zeros(2, 64).bfloat16(), True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> None:
     """The fused rotary and SiLU gate give worker/model.py's torch ops' values bit for bit:

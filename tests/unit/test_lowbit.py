@@ -103,6 +103,28 @@ def test_quant_linear_refuses_what_it_cannot_compute() -> None:
         packed(torch.zeros(1, 64), torch.zeros(15))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_quant_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(
+    bits: int, rows: int
+) -> None:
+    """As skinny_linear (test_kernels.py): a draft model's layers fuse the same ops."""
+    u, d, m = _weights(160, 96, bits, seed=bits + rows)
+    packed = pack_groups(u, d, m, bits)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    bias = torch.randn(160, generator=g).bfloat16()
+    ops = torch.ops.canteen
+    plain = ops.quant_linear(x, packed.weights, packed.scales, 160, bias)
+    gated = ops.quant_linear(x, packed.weights, packed.scales, 160, bias, None, True)
+    assert gated.shape == (rows, 80) and torch.equal(gated, ops.silu_mul(plain))
+    residual = torch.randn(rows, 160, generator=g).bfloat16()
+    added = ops.quant_linear(x, packed.weights, packed.scales, 160, bias, residual)
+    assert torch.equal(added, residual + plain)
+    with pytest.raises(RuntimeError, match=r"residual \[M, N\]"):
+        ops.quant_linear(x, packed.weights, packed.scales, 160, bias, residual.float())
+
+
 def test_int4_layers_take_the_kernel_for_decode_steps_and_torch_for_prompts() -> None:
     """Up to QUANT_ROWS rows the layer's answer is the kernel's (int8 activations); longer
     inputs go through torch's int4 kernel (bfloat16 activations); both near the weights."""

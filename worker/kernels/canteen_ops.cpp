@@ -238,12 +238,17 @@ at::Tensor silu_mul(const at::Tensor& x) {
 template <typename T>
 inline void rotate_head(const T* in, const T* cp, const T* sp, int64_t dim, T* o) {
   const int64_t half = dim / 2;
-  for (int64_t d = 0; d < dim; ++d) {
-    const T swapped = in[d < half ? d + half : d - half];
+  const auto one = [&](int64_t d, T swapped) {
     const auto a = static_cast<T>(static_cast<float>(in[d]) * static_cast<float>(cp[d]));
     const auto b = static_cast<T>(static_cast<float>(swapped) * static_cast<float>(sp[d]));
     o[d] = static_cast<T>(static_cast<float>(a) + static_cast<float>(b));
-  }
+  };
+  // two straight halves (the second half's partner is the first half's), so both vectorize
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) one(d, in[d + half]);
+#pragma omp simd
+  for (int64_t d = half; d < 2 * half; ++d) one(d, in[d - half]);
+  if (dim % 2) one(dim - 1, in[dim - 1 - half]);
 }
 
 std::pair<at::Tensor, at::Tensor> rotary_tables(const at::Tensor& x, const at::Tensor& cos,

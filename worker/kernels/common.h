@@ -3,9 +3,11 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -63,6 +65,92 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// bfloat16 conversions of 16 floats at a time (round to nearest even, as c10::BFloat16).
+#if defined(__AVX512BF16__)
+inline __m256i bf16_round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+inline __m512 bf16_widen16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 bf16_load16(const at::BFloat16* p) {
+  return bf16_widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// How a linear kernel (dense.cpp, lowbit.cpp) finishes a row's float32 sums. A plain linear
+// stores T(sum + bias). The two ops that follow a decoder layer's linears can finish inside
+// it instead, with the bits of the ops they replace:
+//   residual  out = residual + T(sum + bias), as torch's ``x + linear(x)`` rounds it;
+//   gate      the linear's outputs are [gate | up] (n = 2 x inner, inner a multiple of 16),
+//             the kernel hands over the gate and up sums of the same 16 outputs together, and
+//             out [rows, inner] = silu(gate) * up as canteen::silu_mul computes it.
+template <typename T>
+struct Finish {
+  T* out;
+  int64_t n;              // the linear's outputs
+  const float* bias;      // at least n, zero-padded
+  const T* residual;      // [rows, n], or nullptr
+  int64_t inner = 0;      // gate: n / 2; 0: no gate
+  int64_t vector_end = 0; // gate: the leading outputs whose exp torch computes vectorized
+
+  static Finish gated(T* out, int64_t n, const float* bias) {
+    return {out, n, bias, nullptr, n / 2, torch_vector_end<T>(n / 2)};
+  }
+
+  // Row r's sums of outputs [j, j + 16) (fewer where n ends).
+  void store(int64_t r, int64_t j, const float* s) const {
+    T* o = out + r * n + j;
+    const T* res = residual ? residual + r * n + j : nullptr;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (j + 16 <= n) {
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(bias + j));
+        if (res) v = _mm512_add_ps(bf16_load16(res), bf16_widen16(bf16_round16(v)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), bf16_round16(v));
+        return;
+      }
+    }
+#endif
+    for (int64_t i = 0; i < 16 && j + i < n; ++i) {
+      const T v = static_cast<T>(s[i] + bias[j + i]);
+      o[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(v)) : v;
+    }
+  }
+
+  // Row r's gate sums ``g`` and up sums ``u`` of outputs [j, j + 16) of inner.
+  void gate(int64_t r, int64_t j, const float* g, const float* u) const {
+    T* o = out + r * inner + j;
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (j + 16 <= vector_end) {
+        const __m512 gv = bf16_widen16(bf16_round16(_mm512_add_ps(_mm512_loadu_ps(g), _mm512_loadu_ps(bias + j))));
+        const __m512 uv =
+            bf16_widen16(bf16_round16(_mm512_add_ps(_mm512_loadu_ps(u), _mm512_loadu_ps(bias + inner + j))));
+        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 act = bf16_widen16(bf16_round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), bf16_round16(_mm512_mul_ps(act, uv)));
+        return;
+      }
+    }
+#endif
+    float gf[16], uf[16], e[16];
+    const int64_t count = std::min<int64_t>(16, inner - j);
+    for (int64_t i = 0; i < count; ++i) {
+      gf[i] = static_cast<float>(static_cast<T>(g[i] + bias[j + i]));
+      uf[i] = static_cast<float>(static_cast<T>(u[i] + bias[inner + j + i]));
+      e[i] = -gf[i];
+    }
+    if (j + 16 <= vector_end) {
+      exp_inplace(e, 16);
+    } else {
+      for (int64_t i = 0; i < count; ++i) e[i] = std::exp(e[i]);
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const auto act = static_cast<T>(gf[i] / (1.f + e[i]));
+      o[i] = static_cast<T>(static_cast<float>(act) * uf[i]);
+    }
+  }
+};
+
 // A linear's bias as float32, zero-padded to ``padded`` outputs (zeros without one).
 inline std::vector<float> padded_bias(const c10::optional<at::Tensor>& bias, int64_t n, int64_t padded,
                                       const char* op) {
@@ -73,6 +161,21 @@ inline std::vector<float> padded_bias(const c10::optional<at::Tensor>& bias, int
     std::memcpy(b.data(), bc.data_ptr<float>(), n * sizeof(float));
   }
   return b;
+}
+
+// A fused linear's residual [rows, n] in x's dtype (nullptr without one), after checking it.
+template <typename T = at::BFloat16>
+inline const T* residual_rows(const c10::optional<at::Tensor>& residual, const at::Tensor& x, int64_t n,
+                              bool gate, const char* op) {
+  if (gate) {
+    TORCH_CHECK(n % 32 == 0, op, ": a gate needs outputs [gate | up], each a multiple of 16, got ", n);
+    TORCH_CHECK(!residual.has_value(), op, ": a residual or a gate, not both");
+  }
+  if (!residual.has_value()) return nullptr;
+  TORCH_CHECK(residual->scalar_type() == x.scalar_type() && residual->is_contiguous() &&
+                  residual->sizes() == at::IntArrayRef({x.size(0), n}),
+              op, ": residual [M, N] contiguous in x's dtype");
+  return residual->data_ptr<T>();
 }
 
 }  // namespace canteen

@@ -38,6 +38,7 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 constexpr int kMaxRows = 12;  // rows of x a call takes (worker/quant.py, SKINNY_ROWS)
+using Finish = canteen::Finish<at::BFloat16>;
 
 // x's rows as pairs of bfloat16 (32 bits each), zero-padded to ``pairs``: what one lane meets.
 std::vector<uint32_t> x_pairs(const at::BFloat16* x, int64_t rows, int64_t k, int64_t pairs) {
@@ -49,11 +50,11 @@ std::vector<uint32_t> x_pairs(const at::BFloat16* x, int64_t rows, int64_t k, in
 inline float bf16_low(uint32_t v) { return at::BFloat16(static_cast<uint16_t>(v), at::BFloat16::from_bits()); }
 inline float bf16_high(uint32_t v) { return at::BFloat16(static_cast<uint16_t>(v >> 16), at::BFloat16::from_bits()); }
 
-// Rows rows of x against Blocks blocks of 16 output rows, starting at ``w``; sums out[r][16 b + l].
-// Rows and Blocks are template arguments so the sums live in registers.
+// Rows rows of x against Blocks blocks of 16 output rows, the first at ``w``, the next
+// ``block_words`` 32-bit words apart; sums out[r][16 b + l]. Rows and Blocks are template
+// arguments so the sums live in registers.
 template <int Rows, int Blocks>
-void lane_dots(const uint32_t* x, int64_t pairs, const uint32_t* w, float* out) {
-  const int64_t block_words = pairs * kLanes;  // 32-bit words per block
+void lane_dots(const uint32_t* x, int64_t pairs, const uint32_t* w, int64_t block_words, float* out) {
 #if defined(__AVX512BF16__)
   __m512 acc[Rows][Blocks];
   for (int r = 0; r < Rows; ++r)
@@ -90,17 +91,18 @@ void lane_dots(const uint32_t* x, int64_t pairs, const uint32_t* w, float* out) 
 constexpr int blocks_for_rows(int rows) { return rows <= 2 ? 4 : rows <= 8 ? 3 : 2; }
 constexpr int kMaxBlocks = 4;
 
-using LaneFn = void (*)(const uint32_t*, int64_t, const uint32_t*, float*);
+using LaneFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*);
 template <int... R>
 constexpr std::array<LaneFn, sizeof...(R)> wide_dots(std::integer_sequence<int, R...>) {
   return {lane_dots<R + 1, blocks_for_rows(R + 1)>...};
 }
-template <int... R>
-constexpr std::array<LaneFn, sizeof...(R)> one_dots(std::integer_sequence<int, R...>) {
-  return {lane_dots<R + 1, 1>...};
+template <int Blocks, int... R>
+constexpr std::array<LaneFn, sizeof...(R)> fixed_dots(std::integer_sequence<int, R...>) {
+  return {lane_dots<R + 1, Blocks>...};
 }
 constexpr auto kWideDots = wide_dots(std::make_integer_sequence<int, kMaxRows>{});
-constexpr auto kOneDots = one_dots(std::make_integer_sequence<int, kMaxRows>{});
+constexpr auto kOneDots = fixed_dots<1>(std::make_integer_sequence<int, kMaxRows>{});
+constexpr auto kTwoDots = fixed_dots<2>(std::make_integer_sequence<int, kMaxRows>{});
 
 #if defined(CANTEEN_AMX)
 // With AMX (Xeon Sapphire Rapids on), one TDPBF16PS multiplies 16 rows of x by a 16 x 32
@@ -134,30 +136,29 @@ struct alignas(64) TileConfig {
   }
 };
 
-// 16 rows of x (row stride ``x_stride`` bytes) against Count blocks of lanes (``block_bytes``
-// apart), ``chunks`` tiles of K each; float32 sums to out[Count][16][16].
+// 16 rows of x (row stride ``x_stride`` bytes) against Count blocks of lanes starting at
+// w[0..Count), ``chunks`` tiles of K each; float32 sums to out[Count][16][16].
 template <int Count>
-void amx_blocks(const uint8_t* x, int64_t x_stride, const uint8_t* w, int64_t block_bytes,
-                int64_t chunks, float* out) {
+void amx_blocks(const uint8_t* x, int64_t x_stride, const uint8_t* const* w, int64_t chunks, float* out) {
   _tile_zero(0);
   if constexpr (Count > 1) _tile_zero(1);
   if constexpr (Count > 2) _tile_zero(2);
   if constexpr (Count > 3) _tile_zero(3);
   for (int64_t c = 0; c < chunks; ++c) {
-    const uint8_t* wc = w + c * kTileBytes;
+    const int64_t at = c * kTileBytes;
     _tile_loadd(4, x + c * 64, x_stride);
-    _tile_loadd(5, wc, 64);
+    _tile_loadd(5, w[0] + at, 64);
     _tile_dpbf16ps(0, 4, 5);
     if constexpr (Count > 1) {
-      _tile_loadd(6, wc + block_bytes, 64);
+      _tile_loadd(6, w[1] + at, 64);
       _tile_dpbf16ps(1, 4, 6);
     }
     if constexpr (Count > 2) {
-      _tile_loadd(7, wc + 2 * block_bytes, 64);
+      _tile_loadd(7, w[2] + at, 64);
       _tile_dpbf16ps(2, 4, 7);
     }
     if constexpr (Count > 3) {
-      _tile_loadd(5, wc + 3 * block_bytes, 64);
+      _tile_loadd(5, w[3] + at, 64);
       _tile_dpbf16ps(3, 4, 5);
     }
   }
@@ -167,11 +168,11 @@ void amx_blocks(const uint8_t* x, int64_t x_stride, const uint8_t* w, int64_t bl
   if constexpr (Count > 3) _tile_stored(3, out + 768, 64);
 }
 
-// 32 rows of x (two tiles of rows, ``x_group`` bytes apart) against Count <= 2 blocks: sums
-// to out[2][Count][16][16]. Each weight tile is loaded once for both tiles of rows.
+// 32 rows of x (two tiles of rows, ``x_group`` bytes apart) against Count <= 2 blocks at
+// w[0..Count): sums to out[2][Count][16][16]. Each weight tile is loaded once for both.
 template <int Count>
-void amx_blocks2(const uint8_t* x, int64_t x_stride, int64_t x_group, const uint8_t* w,
-                 int64_t block_bytes, int64_t chunks, float* out) {
+void amx_blocks2(const uint8_t* x, int64_t x_stride, int64_t x_group, const uint8_t* const* w,
+                 int64_t chunks, float* out) {
   _tile_zero(0);
   _tile_zero(2);
   if constexpr (Count > 1) {
@@ -179,14 +180,14 @@ void amx_blocks2(const uint8_t* x, int64_t x_stride, int64_t x_group, const uint
     _tile_zero(3);
   }
   for (int64_t c = 0; c < chunks; ++c) {
-    const uint8_t* wc = w + c * kTileBytes;
+    const int64_t at = c * kTileBytes;
     _tile_loadd(4, x + c * 64, x_stride);
     _tile_loadd(5, x + x_group + c * 64, x_stride);
-    _tile_loadd(6, wc, 64);
+    _tile_loadd(6, w[0] + at, 64);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(2, 5, 6);
     if constexpr (Count > 1) {
-      _tile_loadd(7, wc + block_bytes, 64);
+      _tile_loadd(7, w[1] + at, 64);
       _tile_dpbf16ps(1, 4, 7);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -199,55 +200,51 @@ void amx_blocks2(const uint8_t* x, int64_t x_stride, int64_t x_group, const uint
   }
 }
 
-// One row's sums of ``count`` blocks (each a tile of 16 x 16 apart), plus the bias, as
-// bfloat16 into the output row ``out`` from column ``first`` on (up to n).
-void store_row(const float* sums, int count, const float* bias, int64_t first, int64_t n,
-               at::BFloat16* out) {
-  for (int c = 0; c < count; ++c) {
-    const int64_t j = first + c * kLanes;
-    if (j >= n) return;
-    const float* s = sums + c * kTile * kLanes;
-    if (j + kLanes <= n) {
-      const __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(bias + j));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(v));
-    } else {
-      for (int64_t i = 0; j + i < n; ++i) out[j + i] = static_cast<at::BFloat16>(s[i] + bias[j + i]);
-    }
-  }
-}
-
-using AmxFn = void (*)(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, float*);
+using AmxFn = void (*)(const uint8_t*, int64_t, const uint8_t* const*, int64_t, float*);
 constexpr AmxFn kAmxFns[kAmxBlocks] = {amx_blocks<1>, amx_blocks<2>, amx_blocks<3>, amx_blocks<4>};
-using Amx2Fn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*);
+using Amx2Fn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t* const*, int64_t, float*);
 constexpr Amx2Fn kAmx2Fns[2] = {amx_blocks2<1>, amx_blocks2<2>};
 
-void amx_linear(const at::Tensor& x, const uint8_t* w, int64_t n, const std::vector<float>& b,
-                at::Tensor& out) {
+// A task finishes ``units`` of 16 outputs: one block each, or with a gate two (the gate's
+// block and the up block ``half`` blocks on).
+void amx_linear(const at::Tensor& x, const uint8_t* w, int64_t n, const Finish& fin) {
   const int64_t rows = x.size(0), k = x.size(1), groups_of_rows = (rows + kTile - 1) / kTile;
   const int64_t blocks = (n + kLanes - 1) / kLanes, chunks = k / 32, block_bytes = chunks * kTileBytes;
   // x zero-padded to whole tiles of rows
   std::vector<at::BFloat16> xp(groups_of_rows * kTile * k, at::BFloat16(0.f));
   std::memcpy(xp.data(), x.data_ptr<at::BFloat16>(), rows * k * sizeof(at::BFloat16));
   const auto* xb = reinterpret_cast<const uint8_t*>(xp.data());
-  auto* op = out.data_ptr<at::BFloat16>();
+  const bool gate = fin.inner > 0;
+  const int64_t half = gate ? blocks / 2 : 0, units = gate ? half : blocks;
   // blocks a task takes: four for one tile of rows, two for two (the C tiles are four)
-  const int per_task = groups_of_rows == 1 ? kAmxBlocks : 2;
-  const int64_t tasks = (blocks + per_task - 1) / per_task;
+  const int per_task = (groups_of_rows == 1 ? kAmxBlocks : 2) / (gate ? 2 : 1);
+  const int64_t tasks = (units + per_task - 1) / per_task;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     const TileConfig config;
     _tile_loadconfig(&config);
     alignas(64) float sums[2 * kAmxBlocks * kTile * kLanes];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t blk = t * per_task;
-      const int count = static_cast<int>(std::min<int64_t>(per_task, blocks - blk));
-      const uint8_t* wt = w + blk * block_bytes;
+      const int64_t first = t * per_task;
+      const int count = static_cast<int>(std::min<int64_t>(per_task, units - first));
+      const uint8_t* ws[kAmxBlocks];
+      for (int i = 0; i < count; ++i) {
+        ws[i] = w + (first + i) * block_bytes;
+        if (gate) ws[count + i] = w + (half + first + i) * block_bytes;
+      }
+      const int used = gate ? 2 * count : count;
       if (groups_of_rows == 1)
-        kAmxFns[count - 1](xb, k * 2, wt, block_bytes, chunks, sums);
+        kAmxFns[used - 1](xb, k * 2, ws, chunks, sums);
       else
-        kAmx2Fns[count - 1](xb, k * 2, kTile * k * 2, wt, block_bytes, chunks, sums);
+        kAmx2Fns[used - 1](xb, k * 2, kTile * k * 2, ws, chunks, sums);
       for (int64_t r = 0; r < rows; ++r) {
-        const float* row = sums + (r / kTile) * count * kTile * kLanes + (r % kTile) * kLanes;
-        store_row(row, count, b.data(), blk * kLanes, n, op + r * n);
+        const float* row = sums + (r / kTile) * used * kTile * kLanes + (r % kTile) * kLanes;
+        for (int i = 0; i < count; ++i) {
+          const int64_t j = (first + i) * kLanes;
+          if (gate)
+            fin.gate(r, j, row + i * kTile * kLanes, row + (count + i) * kTile * kLanes);
+          else
+            fin.store(r, j, row + i * kTile * kLanes);
+        }
       }
     }
     _tile_release();
@@ -267,9 +264,44 @@ int64_t skinny_rows(int64_t k) {
   return kMaxRows;
 }
 
-// x [M <= skinny_rows(K), K] bfloat16 @ the weight [n, K]^T (+ bias), the weight in pack_lanes' layout.
+// The AVX512-BF16 (or plain) dot products: a task's blocks go ``wide`` at a time, or with a
+// gate as pairs of the gate's block and the up block ``half`` blocks on.
+void lanes_linear(const std::vector<uint32_t>& xp, int64_t rows, int64_t pairs, const uint32_t* wp,
+                  int64_t blocks, const Finish& fin) {
+  const int64_t block_words = pairs * kLanes;
+  if (fin.inner > 0) {
+    const int64_t half = blocks / 2;
+    const LaneFn two_dots = kTwoDots[rows - 1];
+    at::parallel_for(0, half, 2, [&](int64_t begin, int64_t end) {
+      float sums[kMaxRows * 2 * kLanes];
+      for (int64_t blk = begin; blk < end; ++blk) {
+        two_dots(xp.data(), pairs, wp + blk * block_words, half * block_words, sums);
+        for (int64_t r = 0; r < rows; ++r)
+          fin.gate(r, blk * kLanes, sums + r * 2 * kLanes, sums + (r * 2 + 1) * kLanes);
+      }
+    });
+    return;
+  }
+  const int wide = blocks_for_rows(static_cast<int>(rows));
+  const LaneFn wide_dots = kWideDots[rows - 1], one_dots = kOneDots[rows - 1];
+  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
+    float sums[kMaxRows * kMaxBlocks * kLanes];
+    for (int64_t blk = begin; blk < end;) {
+      const int count = end - blk >= wide ? wide : 1;
+      (count == wide ? wide_dots : one_dots)(xp.data(), pairs, wp + blk * block_words, block_words, sums);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int b = 0; b < count; ++b) fin.store(r, (blk + b) * kLanes, sums + (r * count + b) * kLanes);
+      blk += count;
+    }
+  });
+}
+
+// x [M <= skinny_rows(K), K] bfloat16 @ the weight [n, K]^T (+ bias), the weight in
+// pack_lanes' layout, finished plainly, onto ``residual`` [M, n], or through the SiLU gate
+// (``gate``: outputs [gate | up], half of them a multiple of 16; returns [M, n / 2]).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
+                         bool gate) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "skinny_linear: x bfloat16 [M, K]");
   TORCH_CHECK(x.size(0) <= skinny_rows(x.size(1)), "skinny_linear: at most ", skinny_rows(x.size(1)),
               " rows of ", x.size(1), " features here, got ", x.size(0));
@@ -278,40 +310,29 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
                   lanes.sizes() == at::IntArrayRef({blocks, pairs, kLanes, 2}),
               "skinny_linear: lanes bfloat16 [ceil(N / 16), ceil(K / 2), 16, 2] for x's K");
   const auto b = canteen::padded_bias(bias, n, blocks * kLanes, "skinny_linear");
-  auto out = at::empty({rows, n}, x.options());
+  const auto res = canteen::residual_rows(residual, x, n, gate, "skinny_linear");
+  auto out = at::empty({rows, gate ? n / 2 : n}, x.options());
+  const Finish fin = gate ? Finish::gated(out.data_ptr<at::BFloat16>(), n, b.data())
+                          : Finish{out.data_ptr<at::BFloat16>(), n, b.data(), res};
   if (rows == 0) return out;
   const auto xc = x.contiguous(), lc = lanes.contiguous();
 #if defined(CANTEEN_AMX)
   if (amx_takes(rows, k)) {
-    amx_linear(xc, reinterpret_cast<const uint8_t*>(lc.data_ptr<at::BFloat16>()), n, b, out);
+    amx_linear(xc, reinterpret_cast<const uint8_t*>(lc.data_ptr<at::BFloat16>()), n, fin);
     return out;
   }
 #endif
   const auto xp = x_pairs(xc.data_ptr<at::BFloat16>(), rows, k, pairs);
-  const auto* wp = reinterpret_cast<const uint32_t*>(lc.data_ptr<at::BFloat16>());
-  auto* op = out.data_ptr<at::BFloat16>();
-  const int wide = blocks_for_rows(static_cast<int>(rows));
-  const LaneFn wide_dots = kWideDots[rows - 1], one_dots = kOneDots[rows - 1];
-  at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    float sums[kMaxRows * kMaxBlocks * kLanes];
-    for (int64_t blk = begin; blk < end;) {
-      const int count = end - blk >= wide ? wide : 1;
-      (count == wide ? wide_dots : one_dots)(xp.data(), pairs, wp + blk * pairs * kLanes, sums);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < count * kLanes; ++i) {
-          const int64_t j = blk * kLanes + i;
-          if (j < n) op[r * n + j] = static_cast<at::BFloat16>(sums[r * count * kLanes + i] + b[j]);
-        }
-      blk += count;
-    }
-  });
+  lanes_linear(xp, rows, pairs, reinterpret_cast<const uint32_t*>(lc.data_ptr<at::BFloat16>()), blocks, fin);
   return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(canteen, m) {
-  m.def("skinny_linear(Tensor x, Tensor lanes, int n, Tensor? bias) -> Tensor");
+  m.def(
+      "skinny_linear(Tensor x, Tensor lanes, int n, Tensor? bias, Tensor? residual=None, "
+      "bool gate=False) -> Tensor");
   m.def("skinny_rows(int k) -> int", &skinny_rows);
 }
 

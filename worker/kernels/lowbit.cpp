@@ -215,10 +215,37 @@ constexpr BlockFn kBlockDots[kMaxRows] = {
     block_dots<Bits, 1>, block_dots<Bits, 2>, block_dots<Bits, 3>, block_dots<Bits, 4>,
     block_dots<Bits, 5>, block_dots<Bits, 6>, block_dots<Bits, 7>, block_dots<Bits, 8>};
 
+// One thread's share of a call must be worth waking it: below this many weight bytes one
+// thread streams it as fast as two (SmolLM2's q/k/v and o projections at int4, measured).
+constexpr int64_t kMinTaskBytes = 384 * 1024;
+
+// Every block of 16 outputs, or with a gate each gate block with the up block ``half`` on.
+template <typename T>
+void quant_blocks(BlockFn dots, const uint8_t* pp, const at::Half* sp, int64_t block_bytes,
+                  int64_t block_scales, const Q8Rows& q8, int64_t blocks, const canteen::Finish<T>& fin) {
+  const int64_t rows = q8.rows, half = fin.inner > 0 ? blocks / 2 : 0, units = half ? half : blocks;
+  const int64_t unit_bytes = block_bytes * (half ? 2 : 1);
+  const int64_t grain = std::max<int64_t>(half ? 2 : 4, kMinTaskBytes / std::max<int64_t>(unit_bytes, 1));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    float sums[kMaxRows][kBlock], ups[kMaxRows][kBlock];
+    for (int64_t blk = begin; blk < end; ++blk) {
+      dots(pp + blk * block_bytes, sp + blk * block_scales, q8, sums);
+      if (half) {
+        dots(pp + (half + blk) * block_bytes, sp + (half + blk) * block_scales, q8, ups);
+        for (int64_t r = 0; r < rows; ++r) fin.gate(r, blk * kBlock, sums[r], ups[r]);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) fin.store(r, blk * kBlock, sums[r]);
+      }
+    }
+  });
+}
+
 // x [M, K] (M <= 8) @ the weight [N, K]^T (+ bias): packed [ceil(N / 16), K / 32, 256 or 512]
-// uint8 (4 or 8 bits), scales [ceil(N / 16), K / 32, 2, 16] float16.
+// uint8 (4 or 8 bits), scales [ceil(N / 16), K / 32, 2, 16] float16; finished plainly, onto
+// ``residual`` [M, N], or through the SiLU gate (common.h, Finish).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                        int64_t n, const c10::optional<at::Tensor>& bias) {
+                        int64_t n, const c10::optional<at::Tensor>& bias,
+                        const c10::optional<at::Tensor>& residual, bool gate) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "quant_linear: x [M <= 8, K]");
   const int64_t rows = x.size(0), k = x.size(1), blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(k % kGroup == 0, "quant_linear: K a multiple of 32");
@@ -234,29 +261,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
     q8 = quantize_rows(xc.data_ptr<scalar_t>(), rows, k);
   });
   const auto b = canteen::padded_bias(bias, n, blocks * kBlock, "quant_linear");
-  auto out = at::empty({rows, n}, xc.options());
-  if (rows == 0) return out;
-  const bool four_bits = pc.size(2) == 256;
-  const uint8_t* pp = pc.data_ptr<uint8_t>();
-  const at::Half* sp = sc.data_ptr<at::Half>();
+  auto out = at::empty({rows, gate ? n / 2 : n}, xc.options());
   const int64_t block_bytes = pc.size(1) * pc.size(2), block_scales = sc.size(1) * 2 * kBlock;
-  const BlockFn dots = (four_bits ? kBlockDots<4> : kBlockDots<8>)[rows - 1];
+  const BlockFn dots = (pc.size(2) == 256 ? kBlockDots<4> : kBlockDots<8>)[std::max<int64_t>(rows, 1) - 1];
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_linear_out", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
-    // A thread's share must be worth waking it: below this many weight bytes one thread
-    // streams it as fast as two (SmolLM2's q/k/v and o projections at int4, measured).
-    constexpr int64_t kMinTaskBytes = 384 * 1024;
-    const int64_t grain = std::max<int64_t>(4, kMinTaskBytes / std::max<int64_t>(block_bytes, 1));
-    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-      float sums[kMaxRows][kBlock];
-      for (int64_t blk = begin; blk < end; ++blk) {
-        dots(pp + blk * block_bytes, sp + blk * block_scales, q8, sums);
-        const int64_t first = blk * kBlock, count = std::min(kBlock, n - first);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t lane = 0; lane < count; ++lane)
-            op[r * n + first + lane] = static_cast<scalar_t>(sums[r][lane] + b[first + lane]);
-      }
-    });
+    using T = scalar_t;
+    const T* res = canteen::residual_rows<T>(residual, xc, n, gate, "quant_linear");
+    const auto fin = gate ? canteen::Finish<T>::gated(out.data_ptr<T>(), n, b.data())
+                          : canteen::Finish<T>{out.data_ptr<T>(), n, b.data(), res};
+    if (rows > 0) quant_blocks<T>(dots, pc.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), block_bytes, block_scales, q8, blocks, fin);
   });
   return out;
 }
@@ -268,7 +281,9 @@ bool quant_vectorized() { return kVectorized; }
 
 TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def("quant_vectorized() -> bool", &quant_vectorized);
-  m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias) -> Tensor");
+  m.def(
+      "quant_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, "
+      "Tensor? residual=None, bool gate=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("quant_linear", &quant_linear); }

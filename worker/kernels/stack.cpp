@@ -5,7 +5,8 @@
 // layers, is a third of the step. This op runs the same ops, in the same order, on the same
 // kernels (canteen::rms_norm, skinny_linear or quant_linear, rotary_kv, paged_decode_into,
 // silu_mul; torch's arithmetic), so its outputs are the Python path's bit for bit;
-// only the Python between them is gone. worker/model.py decides when it applies (CPU
+// only the Python between them is gone, and the residual adds and the SiLU gate finish
+// inside the linears before them (the same bits, a pass and an op fewer each). worker/model.py decides when it applies (CPU
 // kernels, a llama-like layer without q/k norms, linears with a kernel for the row count,
 // decode rows only) and keeps the Python path otherwise.
 //
@@ -30,11 +31,12 @@ c10::optional<at::Tensor> given(const at::Tensor& t) {
 }
 
 struct Ops {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                      const c10::optional<at::Tensor>&)>
+  using Opt = c10::optional<at::Tensor>;
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Opt&,
+                                      const Opt&, bool)>
       skinny;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      int64_t, const c10::optional<at::Tensor>&)>
+                                      int64_t, const Opt&, const Opt&, bool)>
       quant;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&,
@@ -54,11 +56,11 @@ struct Ops {
       auto find = [&](const char* name) { return d.findSchemaOrThrow(name, ""); };
       return Ops{
           find("canteen::skinny_linear")
-              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
-                                const c10::optional<at::Tensor>&)>(),
+              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Opt&,
+                                const Opt&, bool)>(),
           find("canteen::quant_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                const c10::optional<at::Tensor>&)>(),
+                                const Opt&, const Opt&, bool)>(),
           find("canteen::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
           find("canteen::rotary")
               .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&)>(),
@@ -74,9 +76,11 @@ struct Ops {
     return ops;
   }
 
-  at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t n) const {
-    return w[1].numel() == 0 ? skinny.call(x, w[0], n, given(w[2]))
-                             : quant.call(x, w[0], w[1], n, given(w[2]));
+  // The linear of (a, b, bias) at ``w``, finished onto ``residual`` or through the SiLU gate.
+  at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t n, const Opt& residual = {},
+                    bool gate = false) const {
+    return w[1].numel() == 0 ? skinny.call(x, w[0], n, given(w[2]), residual, gate)
+                             : quant.call(x, w[0], w[1], n, given(w[2]), residual, gate);
   }
 };
 
@@ -103,11 +107,12 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
     auto attended = at::empty({tokens, heads * dim}, q.options());
     for (size_t g = 0; g < groups.size(); g += 3)
       ops.attend.call(attended, q, pool, groups[g], groups[g + 1], groups[g + 2], scale);
-    const auto o = ops.linear(attended, w + 5, n[1]);
-    x = residual == 1.0 ? x + o : x + o * residual;
-    const auto gate_up = ops.linear(ops.norm.call(x, w[1], eps), w + 8, n[2]);
-    const auto down = ops.linear(ops.silu_mul.call(gate_up), w + 11, n[3]);
-    x = residual == 1.0 ? x + down : x + down * residual;
+    // the residual adds and the SiLU gate finish inside the linears where they can (common.h)
+    x = residual == 1.0 ? ops.linear(attended, w + 5, n[1], x) : x + ops.linear(attended, w + 5, n[1]) * residual;
+    const auto normed = ops.norm.call(x, w[1], eps);
+    const auto act = n[2] % 32 == 0 ? ops.linear(normed, w + 8, n[2], {}, true)
+                                    : ops.silu_mul.call(ops.linear(normed, w + 8, n[2]));
+    x = residual == 1.0 ? ops.linear(act, w + 11, n[3], x) : x + ops.linear(act, w + 11, n[3]) * residual;
   }
   return x;
 }
