@@ -59,18 +59,20 @@ def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype, dim: i
     torch.manual_seed(0)
     heads, kv_heads, blocks = 6, 2, 12
     pool = torch.randn(2, kv_heads, blocks * BLOCK, dim).to(dtype)
-    # rows of different lengths, tables in any block order, the last one a partial block
-    group = _group([[3, 7, 1], [5], [11, 2, 9, 4]], [11, 2, 16])
-    q = torch.randn(3, heads, dim).to(dtype)
+    # rows of different lengths, tables in any block order, the last one a partial block;
+    # the last row is longer than 16 positions and not a multiple of 16
+    tables = [[3, 7, 1], [5], [11, 2, 9, 4], [0, 6, 8, 10, 3, 7, 1, 5, 11, 2, 9]]
+    group = _group(tables, [11, 2, 16, 43])
+    q = torch.randn(4, heads, dim).to(dtype)
     got = _kernel(pool, q, group)
     want = _decode(pool, q, group, 0.25)
-    assert got.dtype == dtype and got.shape == (3, heads * dim)
+    assert got.dtype == dtype and got.shape == (4, heads * dim)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: one output rounding
     torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
     # padding never counts: garbage in every slot past each row's length changes nothing
     used = torch.zeros(blocks * BLOCK, dtype=torch.bool)
     for row, n in enumerate(group.lens.tolist()):
-        used[group.slots.view(3, -1)[row, :n]] = True
+        used[group.slots.view(4, -1)[row, :n]] = True
     pool[:, :, ~used] = 1e4
     assert torch.equal(_kernel(pool, q, group), got)
 

@@ -108,11 +108,124 @@ void decode_one_vec(const T* q, const T* keys, const T* values, const int64_t* s
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// out lane i = the sum of v[i]'s 16 lanes, for 16 vectors: a transpose tree of 15 adds where
+// 16 horizontal sums would take 64 shuffles and adds. v is overwritten.
+inline __m512 lane_sums(__m512* v) {
+  for (int i = 0; i < 8; ++i)  // halves: [v2i's 8 partial sums | v2i+1's]
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // quarters: v4i..v4i+3, 4 partial sums each
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i) {  // quarter q: [v(q) x2, v(q + 4) x2] from 8i on
+    const __m512d a = _mm512_castps_pd(v[2 * i]), b = _mm512_castps_pd(v[2 * i + 1]);
+    v[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // quarter q: [v(q), v(q + 4), v(q + 8), v(q + 12)]; then back into order
+  const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, s);
+}
+
+// The cache lines of a key or value row a later position reads (its block may be anywhere).
+inline void prefetch_row(const at::BFloat16* row, int64_t dim) {
+  for (int64_t b = 0; b < dim * 2; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, _MM_HINT_T0);
+}
+
+// exp_scores with the max and the sum in vector registers (another summation order).
+inline void exp_scores_vec(float* scores, int64_t group, int64_t len, float* total) {
+  for (int64_t h = 0; h < group; ++h) {
+    float* s = scores + h * len;
+    __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = static_cast<__mmask16>(len - j >= 16 ? 0xFFFF : (1u << (len - j)) - 1);
+      top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
+    }
+    const __m512 t = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; j += 16) {
+      const __mmask16 m = static_cast<__mmask16>(len - j >= 16 ? 0xFFFF : (1u << (len - j)) - 1);
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), t));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    total[h] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// decode_one for bfloat16 with D = 32 P: the scores are bfloat16 dot products (vdpbf16ps:
+// exact products, float32 sums) of q and each key as stored, 16 positions at a time; the
+// values are loaded once for all G heads, whose sums stay in registers (up to 16 / P at a
+// time). About a third of decode_one_vec's instructions.
+template <int P>
+void decode_one_bf16(const at::BFloat16* q, const at::BFloat16* keys, const at::BFloat16* values,
+                     const int64_t* slots, int64_t len, int64_t group, float scale, at::BFloat16* out,
+                     Scratch& w) {
+  constexpr int64_t dim = 32 * P;
+  w.size(group, dim, len);
+  for (int64_t h = 0; h < group; ++h) {
+    __m512bh qv[P];
+    for (int p = 0; p < P; ++p) qv[p] = (__m512bh)_mm512_loadu_si512(q + h * dim + 32 * p);
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - j0);
+      __m512 acc[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        if (i >= n) continue;
+        const at::BFloat16* k = keys + slots[j0 + i] * dim;
+        if (j0 + 16 + i < len) prefetch_row(keys + slots[j0 + 16 + i] * dim, dim);
+        for (int p = 0; p < P; ++p)
+          acc[i] = _mm512_dpbf16_ps(acc[i], qv[p], (__m512bh)_mm512_loadu_si512(k + 32 * p));
+      }
+      const __m512 sums = _mm512_mul_ps(lane_sums(acc), _mm512_set1_ps(scale));
+      _mm512_mask_storeu_ps(w.scores.data() + h * len + j0, static_cast<__mmask16>((1u << n) - 1), sums);
+    }
+  }
+  exp_scores_vec(w.scores.data(), group, len, w.total.data());
+  constexpr int kAtOnce = 8 / P > 0 ? 8 / P : 1;  // heads whose sums share the registers
+  for (int64_t h0 = 0; h0 < group; h0 += kAtOnce) {
+    const int64_t heads = std::min<int64_t>(kAtOnce, group - h0);
+    __m512 acc[kAtOnce][2 * P];
+    for (int h = 0; h < kAtOnce; ++h)
+      for (int v = 0; v < 2 * P; ++v) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < len; ++j) {
+      __m512 row[2 * P];
+      for (int v = 0; v < 2 * P; ++v) row[v] = load16(values + slots[j] * dim + 16 * v);
+      if (j + 8 < len) prefetch_row(values + slots[j + 8] * dim, dim);
+#pragma GCC unroll 8
+      for (int h = 0; h < kAtOnce; ++h) {
+        if (h >= heads) break;
+        const __m512 pj = _mm512_set1_ps(w.scores[(h0 + h) * len + j]);
+        for (int v = 0; v < 2 * P; ++v) acc[h][v] = _mm512_fmadd_ps(pj, row[v], acc[h][v]);
+      }
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const __m512 total = _mm512_set1_ps(w.total[h0 + h]);
+      at::BFloat16* o = out + (h0 + h) * dim;
+      for (int v = 0; v < 2 * P; ++v)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * v),
+                            canteen::bf16_round16(_mm512_div_ps(acc[h][v], total)));
+    }
+  }
+}
+#endif
+
 // One (row, kv head): the G query heads that share it, over the row's first `len` slots.
 template <typename T>
 void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots, int64_t len,
                 int64_t group, int64_t dim, float scale, T* out) {
   thread_local Scratch w;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    switch (dim) {
+      case 64: return decode_one_bf16<2>(q, keys, values, slots, len, group, scale, out, w);
+      case 128: return decode_one_bf16<4>(q, keys, values, slots, len, group, scale, out, w);
+      case 32: return decode_one_bf16<1>(q, keys, values, slots, len, group, scale, out, w);
+      default: break;
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     switch (dim) {
