@@ -244,7 +244,8 @@ def test_a_fused_finish_refuses_what_it_cannot_compute() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dim", [16, 64])  # 64: whole vectors in each half (bfloat16's own path)
+def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype, dim: int) -> None:
     """The fused rotary and SiLU gate give worker/model.py's torch ops' values bit for bit:
     rotary the same products and sum, each rounded to the dtype; the gate torch's own exp
     (SLEEF's where torch's silu runs vectorized, std::exp on the tail of a row), at widths
@@ -252,7 +253,7 @@ def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> No
     from worker.model import _rotate
 
     torch.manual_seed(3)
-    tokens, heads, kv_heads, dim = 5, 6, 2, 16
+    tokens, heads, kv_heads = 5, 6, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
     cos, sin = torch.randn(tokens, 1, dim).to(dtype), torch.randn(tokens, 1, dim).to(dtype)
     view = qkv.view(tokens, -1, dim)
@@ -268,14 +269,15 @@ def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype) -> No
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_kv_writes_what_rotary_and_index_copy_write(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dim", [16, 64])
+def test_rotary_kv_writes_what_rotary_and_index_copy_write(dtype: torch.dtype, dim: int) -> None:
     """decode_layers' one pass over the QKV output: the rotated queries it returns, and the
     rotated keys and the values it writes into the pool, are rotary's and index_copy_'s bit
     for bit; no other slot changes, and a slot past the pool is refused before any write."""
     from worker.model import _rotate
 
     torch.manual_seed(5)
-    tokens, heads, kv_heads, dim, slots = 3, 6, 2, 16, 40
+    tokens, heads, kv_heads, slots = 3, 6, 2, 40
     qkv = torch.randn(tokens, heads + 2 * kv_heads, dim).to(dtype)
     cos, sin = torch.randn(tokens, 1, dim).to(dtype), torch.randn(tokens, 1, dim).to(dtype)
     pool = torch.randn(2, kv_heads, slots, dim).to(dtype)

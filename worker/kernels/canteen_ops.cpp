@@ -351,6 +351,21 @@ at::Tensor silu_mul(const at::Tensor& x) {
 template <typename T>
 inline void rotate_head(const T* in, const T* cp, const T* sp, int64_t dim, T* o) {
   const int64_t half = dim / 2;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (half % 16 == 0 && dim % 2 == 0) {
+      using canteen::bf16_load16, canteen::bf16_round16, canteen::bf16_widen16;
+      const auto round = [](__m512 v) { return bf16_widen16(bf16_round16(v)); };
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 swapped = bf16_load16(in + (d < half ? d + half : d - half));
+        const __m512 a = round(_mm512_mul_ps(bf16_load16(in + d), bf16_load16(cp + d)));
+        const __m512 b = round(_mm512_mul_ps(swapped, bf16_load16(sp + d)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), bf16_round16(_mm512_add_ps(a, b)));
+      }
+      return;
+    }
+  }
+#endif
   const auto one = [&](int64_t d, T swapped) {
     const auto a = static_cast<T>(static_cast<float>(in[d]) * static_cast<float>(cp[d]));
     const auto b = static_cast<T>(static_cast<float>(swapped) * static_cast<float>(sp[d]));
@@ -439,6 +454,31 @@ at::Tensor rotary_kv(const at::Tensor& qkv, int64_t heads, int64_t kv_heads, con
   return q;
 }
 
+#if defined(__AVX512BF16__)
+// rms_norm's rows [begin, end) for bfloat16 x and out, 16 features at a time (another order
+// for the sum of squares; the same roundings).
+void rms_rows_bf16(const at::BFloat16* x, const float* w, int64_t hidden, int64_t begin, int64_t end,
+                   float eps, at::BFloat16* out) {
+  using canteen::bf16_load16, canteen::bf16_round16, canteen::bf16_widen16;
+  for (int64_t r = begin; r < end; ++r) {
+    const at::BFloat16* row = x + r * hidden;
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+      const __m512 v = bf16_load16(row + i);
+      squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));  // squares rounded, as torch's pow(2)
+    }
+    const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / hidden + eps);
+    const __m512 scale = _mm512_set1_ps(inv);
+    for (int64_t i = 0; i < hidden; i += 16) {
+      // the normed value is rounded to x's dtype before the weight multiplies it
+      const __m512 normed = bf16_widen16(bf16_round16(_mm512_mul_ps(bf16_load16(row + i), scale)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * hidden + i),
+                          bf16_round16(_mm512_mul_ps(_mm512_loadu_ps(w + i), normed)));
+    }
+  }
+}
+#endif
+
 // transformers' LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), float32 inside.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), "rms_norm: weight [hidden]");
@@ -458,6 +498,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
       o_t* op = out.data_ptr<o_t>();
       const float* wp = wf.data();
       at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<x_t, at::BFloat16> && std::is_same_v<o_t, at::BFloat16>) {
+          if (hidden % 16 == 0)  // the casts are no-ops: x_t and o_t are bfloat16 here
+            return rms_rows_bf16(reinterpret_cast<const at::BFloat16*>(xp), wp, hidden, begin, end,
+                                 static_cast<float>(eps), reinterpret_cast<at::BFloat16*>(op));
+        }
+#endif
         std::vector<float> row(hidden);
         for (int64_t r = begin; r < end; ++r) {
           to_float(xp + r * hidden, row.data(), hidden);

@@ -126,13 +126,23 @@ bool amx_ready() {
   return ready;
 }
 
+// Tiles of x's rows and of their sums hold only the rows x has, so x needs no padding: for
+// one tile of rows, C tiles 0-3 and x's tile 4 hold ``rows``; for two (amx_blocks2), C tiles
+// 2-3 and x's tile 5 hold the second tile's ``rows - 16``. Weight tiles hold 16 pairs of K.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
-  TileConfig() {
+  explicit TileConfig(int64_t x_rows) {
     for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = kTile;
+    const auto first = static_cast<uint8_t>(std::min<int64_t>(x_rows, kTile));
+    const auto second = static_cast<uint8_t>(x_rows - first);
+    if (second == 0) {
+      rows[0] = rows[1] = rows[2] = rows[3] = rows[4] = first;
+    } else {
+      rows[2] = rows[3] = rows[5] = second;
+    }
   }
 };
 
@@ -210,17 +220,16 @@ constexpr Amx2Fn kAmx2Fns[2] = {amx_blocks2<1>, amx_blocks2<2>};
 void amx_linear(const at::Tensor& x, const uint8_t* w, int64_t n, const Finish& fin) {
   const int64_t rows = x.size(0), k = x.size(1), groups_of_rows = (rows + kTile - 1) / kTile;
   const int64_t blocks = (n + kLanes - 1) / kLanes, chunks = k / 32, block_bytes = chunks * kTileBytes;
-  // x zero-padded to whole tiles of rows
-  std::vector<at::BFloat16> xp(groups_of_rows * kTile * k, at::BFloat16(0.f));
-  std::memcpy(xp.data(), x.data_ptr<at::BFloat16>(), rows * k * sizeof(at::BFloat16));
-  const auto* xb = reinterpret_cast<const uint8_t*>(xp.data());
+  const auto* xb = reinterpret_cast<const uint8_t*>(x.data_ptr<at::BFloat16>());
   const bool gate = fin.inner > 0;
   const int64_t half = gate ? blocks / 2 : 0, units = gate ? half : blocks;
-  // blocks a task takes: four for one tile of rows, two for two (the C tiles are four)
-  const int per_task = (groups_of_rows == 1 ? kAmxBlocks : 2) / (gate ? 2 : 1);
+  // blocks a task takes: four for one tile of rows, two for two (the C tiles are four), and
+  // fewer where that leaves under 16 tasks, so two threads split a small linear evenly
+  int per_task = (groups_of_rows == 1 ? kAmxBlocks : 2) / (gate ? 2 : 1);
+  while (per_task > 1 && units < 16 * per_task) per_task /= 2;
   const int64_t tasks = (units + per_task - 1) / per_task;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const TileConfig config;
+    const TileConfig config(rows);
     _tile_loadconfig(&config);
     alignas(64) float sums[2 * kAmxBlocks * kTile * kLanes];
     for (int64_t t = begin; t < end; ++t) {

@@ -71,12 +71,29 @@ Pick row_max(const float* x, int64_t n) {
 
 float row_norm(const float* x, int64_t n, float top, std::vector<float>& scratch) {
   if (!std::isfinite(top)) return top;  // every logit -inf, an inf, or a NaN
+#if defined(__AVX512F__)
+  // one pass, four independent sums (SLEEF's exp is the cost: keep its pipeline full)
+  const __m512 t = _mm512_set1_ps(top);
+  __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64)
+    for (int u = 0; u < 4; ++u)
+      sums[u] = _mm512_add_ps(sums[u], Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(x + i + 16 * u), t)));
+  for (; i < n; i += 16) {
+    const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFF : (1u << (n - i)) - 1);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), t));
+    sums[0] = _mm512_mask_add_ps(sums[0], m, sums[0], e);
+  }
+  const __m512 total = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
+  return std::log(_mm512_reduce_add_ps(total)) + top;
+#else
   for (int64_t i = 0; i < n; ++i) scratch[i] = x[i] - top;
   canteen::exp_inplace(scratch.data(), n);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += scratch[i];
   return std::log(sum) + top;
+#endif
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits, bool with_norm) {
@@ -92,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& log
   int64_t* cp = chosen.data_ptr<int64_t>();
   float* np = norm.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(with_norm ? vocab : 0);
+    std::vector<float> scratch(with_norm && canteen::kVecBytes != 64 ? vocab : 0);  // without AVX512
     for (int64_t r = begin; r < end; ++r) {
       const Pick pick = row_max(lp + r * vocab, vocab);
       bp[r] = pick.best;
