@@ -142,8 +142,10 @@ class SchedulerService:
         self, queue: asyncio.Queue[SeqEvent], seq: Sequence, link: WorkerLink
     ) -> AsyncIterator[SeqEvent]:
         is_first = True
+        pending: SeqEvent | None = None
         while True:
-            event = await queue.get()
+            event = pending or await queue.get()
+            event, pending = _coalesce(event, queue)
             if event.finish is Finish.FAILED:
                 raise (SequenceRefusedError if seq.is_refused else WorkerFailedError)(seq.error)
             if is_first and self.metrics is not None and seq.first_scheduled_time is not None:
@@ -164,6 +166,24 @@ class SchedulerService:
         if self.metrics is not None:
             finish = seq.finish.value if seq.finish is not None else Finish.CANCELLED.value
             self.metrics.count_finish(link.desc.model, link.desc.version, finish)
+
+
+def _coalesce(event: SeqEvent, queue: asyncio.Queue[SeqEvent]) -> tuple[SeqEvent, SeqEvent | None]:
+    """``event`` and the token events queued behind it as one (a reader that fell behind
+    the steps gets one message, not one per step), and a failure met on the way, kept for
+    after them."""
+    while event.finish is None and not queue.empty():
+        more = queue.get_nowait()
+        if more.finish is Finish.FAILED:
+            return event, more
+        event = SeqEvent(
+            event.seq,
+            event.token_ids + more.token_ids,
+            event.logprobs + more.logprobs,
+            more.finish,
+            event.top_logprobs + more.top_logprobs,
+        )
+    return event, None
 
 
 def _capacity(link: WorkerLink) -> tuple[int, int]:
