@@ -1,5 +1,5 @@
-"""Canteen's C++ CPU kernels (canteen_ops.cpp, dense.cpp, lowbit.cpp, stack.cpp,
-sampling.cpp), built with the machine's own compiler and loaded.
+"""Canteen's C++ CPU kernels (canteen_ops.cpp, attention.cpp, dense.cpp, lowbit.cpp,
+stack.cpp, sampling.cpp), built with the machine's own compiler and loaded.
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
 ``skinny_linear``, ``quant_linear``, ``decode_layers``, ``greedy_pick``) replace many small ops
@@ -33,7 +33,10 @@ log = get_logger(__name__)
 HERE = Path(__file__).parent
 # compiled together, one library
 SOURCES = tuple(
-    HERE / f for f in ("canteen_ops.cpp", "dense.cpp", "lowbit.cpp", "stack.cpp", "sampling.cpp")
+    HERE / f
+    for f in (
+        "canteen_ops.cpp", "attention.cpp", "dense.cpp", "lowbit.cpp", "stack.cpp", "sampling.cpp"
+    )
 )
 HEADERS = (HERE / "common.h",)
 # -ffp-contract=off: no fused multiply-adds, so a * b + c rounds as torch's two ops round it.

@@ -1,4 +1,5 @@
-// Helpers shared by Canteen's CPU kernels (canteen_ops.cpp, dense.cpp, lowbit.cpp).
+// Helpers shared by Canteen's CPU kernels (canteen_ops.cpp, attention.cpp, dense.cpp, lowbit.cpp,
+// sampling.cpp).
 #pragma once
 
 #include <ATen/ATen.h>
