@@ -35,7 +35,12 @@ HERE = Path(__file__).parent
 SOURCES = tuple(
     HERE / f
     for f in (
-        "canteen_ops.cpp", "attention.cpp", "dense.cpp", "lowbit.cpp", "stack.cpp", "sampling.cpp"
+        "canteen_ops.cpp",
+        "attention.cpp",
+        "dense.cpp",
+        "lowbit.cpp",
+        "stack.cpp",
+        "sampling.cpp",
     )
 )
 HEADERS = (HERE / "common.h",)
