@@ -20,10 +20,8 @@
 
 #include "common.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <utility>
 #include <type_traits>
 #include <vector>

@@ -69,6 +69,13 @@ Pick row_max(const float* x, int64_t n) {
   return {top, i < n ? i : 0};  // every logit -inf: index 0, as torch
 }
 
+// row_norm is one pass in registers with AVX-512; otherwise it needs a scratch row.
+#if defined(__AVX512F__)
+constexpr bool kNormScratch = false;
+#else
+constexpr bool kNormScratch = true;
+#endif
+
 float row_norm(const float* x, int64_t n, float top, std::vector<float>& scratch) {
   if (!std::isfinite(top)) return top;  // every logit -inf, an inf, or a NaN
 #if defined(__AVX512F__)
@@ -109,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& log
   int64_t* cp = chosen.data_ptr<int64_t>();
   float* np = norm.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(with_norm && canteen::kVecBytes != 64 ? vocab : 0);  // without AVX512
+    std::vector<float> scratch(with_norm && kNormScratch ? vocab : 0);
     for (int64_t r = begin; r < end; ++r) {
       const Pick pick = row_max(lp + r * vocab, vocab);
       bp[r] = pick.best;
