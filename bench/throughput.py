@@ -131,8 +131,10 @@ def engine_run(runner: ModelRunner, prompts: list[list[int]], tokens: int) -> tu
 
 def hf_batch(model, prompts: list[list[int]], tokens: int) -> float:  # type: ignore[no-untyped-def]
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device
+    )
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(
@@ -151,7 +153,7 @@ def hf_single(model, prompts: list[list[int]], tokens: int) -> float:  # type: i
     with torch.inference_mode():
         for ids in prompts:
             model.generate(
-                torch.tensor([ids]),
+                torch.tensor([ids], device=model.device),
                 max_new_tokens=tokens,
                 do_sample=False,
                 eos_token_id=None,
@@ -190,10 +192,9 @@ def one_round(
     return {"streams": width, "round": rnd, "order": order, **got, "engine_ms": step_ms[0]}
 
 
-def worker_dtype(address: str) -> tuple[str, str, str]:
+def worker_info(address: str) -> worker_pb2.WorkerInfo:
     with grpc.insecure_channel(address) as channel:
-        info = worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
-    return info.dtype, info.quantization, info.dtype_reason
+        return worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
 
 
 def main() -> None:
@@ -229,23 +230,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         worker = ["--kv-cache-memory", "1GiB", "--dtype", "auto"]
         with default_model_stack(Path(tmp), worker_args=worker) as s:
-            dtype_name, quantization, reason = worker_dtype(s.worker.address)
-            report.update(dtype=dtype_name, quantization=quantization, dtype_reason=reason)
-            dtype = getattr(torch, dtype_name)
+            info = worker_info(s.worker.address)
+            quantization, device = info.quantization, torch.device(info.device)
+            report.update(
+                device=info.device,
+                dtype=info.dtype,
+                quantization=quantization,
+                dtype_reason=info.dtype_reason,
+            )
+            dtype = getattr(torch, info.dtype)
+            # the engine and transformers run where the worker runs, at its dtype
             loaded: LoadedModel = load_model(
-                str(path), "gguf", "", torch.device("cpu"), dtype, False, quantization=quantization
+                str(path), "gguf", "", device, dtype, False, quantization=quantization
             )
             runner = ModelRunner(
                 loaded, max(widths) * -(-(200 + args.tokens) // BLOCK), BLOCK, 2048
             )
-            hf = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), gguf_file=path.name, dtype=dtype
-            ).eval()  # type: ignore[no-untyped-call]
-            bandwidth = read_bandwidth()
+            hf = (
+                AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), gguf_file=path.name, dtype=dtype
+                )
+                .to(device)
+                .eval()
+            )  # type: ignore[no-untyped-call]
+            bandwidth = read_bandwidth(device)
             floor_ms = weight_bytes(loaded) / bandwidth * 1e3
             config = loaded.model.config
             shape = (config.hidden_size, 2 * config.intermediate_size)
-            flops = matmul_flops(dtype, quantization, shape)
+            flops = matmul_flops(dtype, quantization, shape, device=device)
             # A decode step of N streams computes 2 x params x N FLOPs: at N streams the
             # larger of the two floors binds.
             compute_ms = {
