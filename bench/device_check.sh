@@ -25,10 +25,11 @@ install_carried() {
   local stage=/tmp/canteen-wheels
   rm -rf "$stage" && mkdir -p "$stage"
   find .whl /tmp/canteen-whl -name '*.whl' -exec cp {} "$stage/" \; 2>/dev/null
-  for first in $(find .whl /tmp/canteen-whl -name '*.whl.part-aa' 2>/dev/null); do
-    local name; name=$(basename "$first" .part-aa)
+  # a split wheel's parts, each once (a part may be in both places), in order
+  for name in $(find .whl /tmp/canteen-whl -name '*.whl.part-aa' -printf '%f\n' 2>/dev/null \
+    | sed 's/\.part-aa$//' | sort -u); do
     find .whl /tmp/canteen-whl -name "$name.part-*" 2>/dev/null \
-      | awk -F/ '{print $NF "\t" $0}' | sort | cut -f2 | xargs cat > "$stage/$name"
+      | awk -F/ '{print $NF "\t" $0}' | sort -u -t$'\t' -k1,1 | cut -f2 | xargs cat > "$stage/$name"
   done
   ls -la "$stage"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
