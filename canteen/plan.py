@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20  # most alternatives a sequence may ask for per token
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; hotter sampling is noise
@@ -163,3 +163,5 @@ class StepResult:
     failed: tuple[FailedSequence, ...] = ()
     num_draft_tokens: int = 0  # proposed and verified this step
     num_accepted_tokens: int = 0
+    # draft tokens proposed per sequence granted drafts (0: it had none to propose)
+    num_proposed: dict[str, int] = field(default_factory=dict)

@@ -207,7 +207,9 @@ class BatchScheduler:
                 # accepted drafts were computed too; their tokens arrive with this result
                 accepted = max(made[seq_id] - 1, 0) if entry.drafts else 0
                 seq.num_computed = known + accepted
-                if entry.drafts:
+                # a step where the worker had nothing to propose (an n-gram without an
+                # earlier match) says nothing of how well this sequence's drafts hold
+                if entry.drafts and result.num_proposed.get(seq_id, entry.drafts) > 0:
                     seq.drafting.observe(accepted)
                 self._commit_full_blocks(seq, known)
         events = [

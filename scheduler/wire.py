@@ -55,4 +55,5 @@ def result_from_pb(msg: worker_pb2.StepResult) -> StepResult:
         total_ns=msg.timings.total_ns,
         num_draft_tokens=msg.num_draft_tokens,
         num_accepted_tokens=msg.num_accepted_tokens,
+        num_proposed=dict(msg.num_proposed),
     )

@@ -112,16 +112,21 @@ class ModelRunner:
             keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
             logits = self.loaded.forward(input_ids, positions, batch, keep)
         sample_start = time.perf_counter_ns()
-        num_drafts = sum(len(self.sequences[s.seq_id].drafts) for s in plan.scheduled)
+        proposed = {
+            s.seq_id: len(self.sequences[s.seq_id].drafts)
+            for s in plan.scheduled
+            if s.num_draft_tokens
+        }
         tokens = self._sample_and_advance(plan, logits, sample_rows)
         done = time.perf_counter_ns()
         return StepResult(
             step_id=plan.step_id,
             tokens=tuple(tokens),
             failed=tuple(failed),
-            num_tokens=plan.num_tokens + num_drafts,
-            num_draft_tokens=num_drafts,
+            num_tokens=plan.num_tokens + sum(proposed.values()),
+            num_draft_tokens=sum(proposed.values()),
             num_accepted_tokens=len(tokens) - len({t.seq_id for t in tokens}),
+            num_proposed=proposed,
             forward_ns=sample_start - forward_start,
             sample_ns=done - sample_start,
             total_ns=done - started,

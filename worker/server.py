@@ -73,6 +73,7 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
         num_tokens=result.num_tokens,
         num_draft_tokens=result.num_draft_tokens,
         num_accepted_tokens=result.num_accepted_tokens,
+        num_proposed=result.num_proposed,
         timings=worker_pb2.StepTimings(
             forward_ns=result.forward_ns, sample_ns=result.sample_ns, total_ns=result.total_ns
         ),

@@ -346,6 +346,26 @@ class StepResult(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class NumProposedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     STEP_ID_FIELD_NUMBER: _builtins.int
     TOKENS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
@@ -353,6 +373,7 @@ class StepResult(_message.Message):
     FAILED_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_PROPOSED_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The plan's step id."""
     num_tokens: _builtins.int
@@ -377,6 +398,13 @@ class StepResult(_message.Message):
         dropped by the worker and fails alone; the rest of the step ran.
         """
 
+    @_builtins.property
+    def num_proposed(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Draft tokens proposed, per sequence the plan granted drafts to: 0 where the worker had
+        none to propose (an n-gram with no earlier match), a step that says nothing about how
+        well that sequence's drafts hold.
+        """
+
     def __init__(
         self,
         *,
@@ -387,10 +415,11 @@ class StepResult(_message.Message):
         failed: _abc.Iterable[Global___SequenceFailure] | None = ...,
         num_draft_tokens: _builtins.int = ...,
         num_accepted_tokens: _builtins.int = ...,
+        num_proposed: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_tokens", b"num_tokens", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed", b"num_proposed", "num_tokens", b"num_tokens", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -39,21 +40,30 @@ class DraftingWorker(FakeWorker):
     """Verifies drafts the way worker/runner.py does: of ``k`` granted, the first
     ``hits()`` are right, so the step makes hits + 1 tokens."""
 
-    def __init__(self, num_blocks: int, hits: st.DrawFn | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        hits: st.DrawFn | None = None,
+        proposes: Callable[[int], bool] = lambda step: True,
+    ) -> None:
         super().__init__(num_blocks)
         self.hits = hits or (lambda k: k)
+        self.proposes = proposes  # by step id: whether it has drafts to propose at all
         self.num_drafts = 0
 
     def step(self, plan: StepPlan) -> StepResult:
         result = super().step(plan)
         tokens, drafts, accepted = list(result.tokens), 0, 0
+        proposed = {s.seq_id: 0 for s in plan.scheduled if s.num_draft_tokens}
         for item in plan.scheduled:
             seq = self.seqs[item.seq_id]
             if item.num_draft_tokens == 0 or seq.num_computed + 1 != len(seq.tokens):
                 continue
             room = len(seq.block_ids) * self.block_size - seq.num_computed
             assert item.num_draft_tokens <= room, "drafts granted without blocks"
-            k = item.num_draft_tokens
+            if not self.proposes(plan.step_id):
+                continue
+            k = proposed[item.seq_id] = item.num_draft_tokens
             hits = min(self.hits(k), k)
             drafts, accepted = drafts + k, accepted + hits
             for _ in range(hits):  # accepted drafts: computed, and the next draw made
@@ -70,6 +80,7 @@ class DraftingWorker(FakeWorker):
             total_ns=1_000_000,
             num_draft_tokens=drafts,
             num_accepted_tokens=accepted,
+            num_proposed=proposed,
         )
 
 
@@ -289,6 +300,27 @@ def test_one_step_whose_drafts_all_miss_does_not_turn_drafts_off() -> None:
     assert policy.drafts_for(1, [record]) == 0
 
 
+def test_a_step_with_nothing_to_propose_does_not_turn_a_sequences_drafts_off() -> None:
+    """An n-gram drafter has nothing to propose until the answer repeats its prompt: those
+    steps make one token but say nothing of the drafts, so the sequence keeps drafting and
+    its later drafts make several tokens a step. (Before, the first such step recorded "no
+    draft held", and drafts stayed off until the rule's next try, 16 to 512 steps later.)"""
+    sched = speculating()
+    sched.speculation.observe(1, False, 0.010, 0, 0)  # plain steps measured: 10 ms
+    sched.speculation.observe(1, True, 0.012, 0, 0)  # a switch: not measured
+    sched.speculation.observe(1, True, 0.012, 0, 0)  # drafting: 12 ms, break-even 0.2
+    worker = DraftingWorker(64, proposes=lambda step: step >= 5)
+    seq = make_seq("a", prompt_len=5, max_tokens=40)
+    sched.add(seq)
+    drive(sched, worker, [seq])
+    assert seq.output_ids == expected_tokens(seq.prompt_ids, 40)
+    granted = [p.step_id for p in worker.plans for s in p.scheduled if s.num_draft_tokens]
+    assert {2, 3, 4} <= set(granted)  # steps with nothing to propose...
+    assert seq.drafting.accepted == K  # ...left the record to the steps that proposed
+    assert sched.speculation.num_accepted_tokens >= 24  # most tokens came from drafts
+    assert len(worker.plans) <= 15
+
+
 def test_drafts_that_could_not_pay_even_if_all_held_are_not_tried_again() -> None:
     """Two sequences whose drafts all hold, on a worker where a drafting step costs six plain
     ones (a costly draft model): even five tokens a sequence would lose, so after its one
@@ -369,6 +401,10 @@ def test_greedy_with_drafts_equals_transformers_and_drafts_are_accepted(
     assert _decode(drafting, prompt, Sampling(0.0), 40) == expected
     assert sum(s.num_draft_tokens for s in steps) > 0
     assert sum(s.num_accepted_tokens for s in steps) > 0
+    # every step granted drafts says how many it proposed, 0 where the n-gram found none
+    assert all(set(s.num_proposed) == {"s"} for s in steps[1:])
+    assert [s.num_proposed["s"] for s in steps[1:]] == [s.num_draft_tokens for s in steps[1:]]
+    assert any(s.num_proposed["s"] == 0 for s in steps[1:])
 
 
 def test_seeded_sampling_with_drafts_makes_the_same_tokens(loaded: LoadedModel) -> None:
