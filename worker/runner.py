@@ -278,9 +278,10 @@ class ModelRunner:
             return []
         # one row per sampled position: a sequence's last token, then each of its drafts
         per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
-        rows = logits[: len(per_row)].float()  # float32 logits: the same tensor
+        rows = logits[: len(per_row)]  # the sampler ranks bfloat16 logits in float32
         seq_ids = [s.seq_id for s, _ in per_row]
         if self.constraints.has_any(seq_ids):
+            rows = rows.float()  # masked in place: a copy in bfloat16, the same tensor in float32
             with torch.inference_mode():  # the logits are inference tensors
                 self.constraints.mask(rows, seq_ids)
         token_ids, logprobs, tops = sample(

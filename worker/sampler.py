@@ -40,24 +40,30 @@ def _filtered_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return probs
 
 
+def _picks_in_kernel(logits: torch.Tensor) -> bool:
+    """Canteen's greedy_pick takes these logits as they are (bfloat16 widened row by row)."""
+    return logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16) and kernels.available()
+
+
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row of float32 ``logits`` [N, V]: the largest logit, its first index, and the
-    logsumexp (a token's logprob is its logit minus it). On the CPU one pass of Canteen's
-    kernel (worker/kernels/sampling.cpp) where torch's max and logsumexp take several."""
-    if logits.is_cpu and kernels.available():
+    """Per row of ``logits`` [N, V], ranked in float32: the largest logit, its first index,
+    and the logsumexp (a token's logprob is its logit minus it). On the CPU one pass of
+    Canteen's kernel (worker/kernels/sampling.cpp) where torch's max and logsumexp take
+    several, reading bfloat16 logits as they are."""
+    if _picks_in_kernel(logits):
         best, chosen, norm = torch.ops.canteen.greedy_pick(logits, True)
         return best, chosen, norm
+    logits = logits.float()
     best, chosen = logits.max(dim=-1)
     return best, chosen, torch.logsumexp(logits, dim=-1)
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The first largest logit's index per row of ``logits`` [N, V] (torch.argmax's)."""
-    logits = logits.float()
-    if logits.is_cpu and kernels.available():
+    if _picks_in_kernel(logits):
         chosen: list[int] = torch.ops.canteen.greedy_pick(logits, False)[1].tolist()
         return chosen
-    result: list[int] = logits.argmax(dim=-1).tolist()
+    result: list[int] = logits.float().argmax(dim=-1).tolist()
     return result
 
 
@@ -66,10 +72,12 @@ def sample(
 ) -> tuple[list[int], list[float], list[tuple[tuple[int, float], ...]]]:
     """Picks one token per row of ``logits`` [N, V]: token ids, their logprobs, and the
     most likely (token, logprob) pairs of the rows that asked for top_logprobs."""
-    logits = logits.float()  # a no-op in float32; bfloat16 logits are ranked in float32
-    # greedy rows: one batched max gives the token and its logit together
+    # greedy rows: one batched max gives the token and its logit together (bfloat16 logits
+    # are ranked in float32)
     best, chosen, norm = greedy_pick(logits)
     sampled = [row for row, s in enumerate(samplings) if not s.is_greedy]
+    if sampled or any(s.top_logprobs > 0 for s in samplings):
+        logits = logits.float()  # a no-op in float32
     for row in sampled:
         sampling = samplings[row]
         probs = _filtered_probs(logits[row], sampling)

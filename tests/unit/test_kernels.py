@@ -308,6 +308,10 @@ def test_greedy_pick_is_torchs_max_and_logsumexp(rows: int) -> None:
     torch.testing.assert_close(norm, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
     _, alone, none = torch.ops.canteen.greedy_pick(logits, False)
     assert torch.equal(alone, want_chosen) and none.numel() == 0
+    # bfloat16 logits (what a bfloat16 lm_head makes) give the float32 copy's answers exactly
+    wide = torch.ops.canteen.greedy_pick(logits.bfloat16(), True)
+    assert all(torch.equal(a, b) for a, b in zip(wide, (best, chosen, norm), strict=True))
+    assert wide[0].dtype == wide[2].dtype == torch.float32
 
 
 def test_greedy_pick_keeps_torchs_answers_for_nan_and_infinite_rows() -> None:
@@ -319,5 +323,7 @@ def test_greedy_pick_keeps_torchs_answers_for_nan_and_infinite_rows() -> None:
     assert chosen.tolist() == want_chosen.tolist() == [0, 3, 35]
     torch.testing.assert_close(best, want_best, equal_nan=True)
     torch.testing.assert_close(norm, torch.logsumexp(logits, dim=-1), equal_nan=True)
-    with pytest.raises(RuntimeError, match="float32 logits"):
-        torch.ops.canteen.greedy_pick(logits.bfloat16(), True)
+    wide = torch.ops.canteen.greedy_pick(logits.bfloat16(), True)
+    assert wide[1].tolist() == [0, 3, 35]
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 logits"):
+        torch.ops.canteen.greedy_pick(logits.half(), True)

@@ -1,6 +1,6 @@
 // canteen::greedy_pick: the sampler's per-row reductions over the vocabulary in one op.
 //
-// For each row of float32 logits [N, V]: the largest logit, the first index holding it (what
+// For each row of float32 or bfloat16 logits [N, V]: the largest logit (as float32), the first index holding it (what
 // torch.max and torch.argmax return), and, when asked, the log of the row's softmax
 // denominator (what torch.logsumexp returns, summed in another order), so that a token's
 // logprob is its logit minus it. torch takes two reductions of several passes each, and a
@@ -104,24 +104,37 @@ float row_norm(const float* x, int64_t n, float top, std::vector<float>& scratch
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> greedy_pick(const at::Tensor& logits, bool with_norm) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0,
-              "greedy_pick: float32 logits [N, V], V > 0");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0 &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "greedy_pick: float32 or bfloat16 logits [N, V], V > 0");
   const auto lc = logits.contiguous();
+  const bool bf16 = lc.scalar_type() == at::kBFloat16;
   const int64_t rows = lc.size(0), vocab = lc.size(1);
-  auto best = at::empty({rows}, lc.options());
-  auto chosen = at::empty({rows}, lc.options().dtype(at::kLong));
-  auto norm = at::empty({with_norm ? rows : 0}, lc.options());
-  const float* lp = lc.data_ptr<float>();
+  const auto out = lc.options().dtype(at::kFloat);
+  auto best = at::empty({rows}, out);
+  auto chosen = at::empty({rows}, out.dtype(at::kLong));
+  auto norm = at::empty({with_norm ? rows : 0}, out);
   float* bp = best.data_ptr<float>();
   int64_t* cp = chosen.data_ptr<int64_t>();
   float* np = norm.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(with_norm && kNormScratch ? vocab : 0);
+    // bfloat16 logits: each row widened (exactly) into a float32 row that stays in cache for
+    // both passes, instead of a float32 copy of every row written out first
+    std::vector<float> widened(bf16 ? vocab : 0);
     for (int64_t r = begin; r < end; ++r) {
-      const Pick pick = row_max(lp + r * vocab, vocab);
+      const float* x = nullptr;
+      if (bf16) {
+        const at::BFloat16* raw = lc.data_ptr<at::BFloat16>() + r * vocab;
+        for (int64_t i = 0; i < vocab; ++i) widened[i] = static_cast<float>(raw[i]);
+        x = widened.data();
+      } else {
+        x = lc.data_ptr<float>() + r * vocab;
+      }
+      const Pick pick = row_max(x, vocab);
       bp[r] = pick.best;
       cp[r] = pick.index;
-      if (with_norm) np[r] = row_norm(lp + r * vocab, vocab, pick.best, scratch);
+      if (with_norm) np[r] = row_norm(x, vocab, pick.best, scratch);
     }
   });
   return {best, chosen, norm};
