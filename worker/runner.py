@@ -117,14 +117,15 @@ class ModelRunner:
             for s in plan.scheduled
             if s.num_draft_tokens
         }
+        num_drafts = sum(proposed.values())
         tokens = self._sample_and_advance(plan, logits, sample_rows)
         done = time.perf_counter_ns()
         return StepResult(
             step_id=plan.step_id,
             tokens=tuple(tokens),
             failed=tuple(failed),
-            num_tokens=plan.num_tokens + sum(proposed.values()),
-            num_draft_tokens=sum(proposed.values()),
+            num_tokens=plan.num_tokens + num_drafts,
+            num_draft_tokens=num_drafts,
             num_accepted_tokens=len(tokens) - len({t.seq_id for t in tokens}),
             num_proposed=proposed,
             forward_ns=sample_start - forward_start,
