@@ -3,8 +3,9 @@
 // For each row of float32 or bfloat16 logits [N, V]: the largest logit (as float32), the
 // first index holding it (what torch.max and torch.argmax return), and, when asked, the log
 // of the row's softmax denominator (what torch.logsumexp returns, summed in another order),
-// so that a token's logprob is its logit minus it. torch takes two reductions of several passes each, and a
-// few hundred microseconds for the rows of a verifying step; this reads each row twice.
+// so that a token's logprob is its logit minus it. torch takes two reductions of several
+// passes each, and a few hundred microseconds for the rows of a verifying step; this reads
+// each row twice.
 // A NaN in a row wins the max and makes the denominator NaN, as in torch.
 
 #include <ATen/ATen.h>
