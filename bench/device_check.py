@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -59,11 +58,14 @@ def greedy_runner(runner: ModelRunner, prompts: list[list[int]], tokens: int) ->
 
 def agreement(
     path: Path, device: torch.device, dtype: torch.dtype, reason: str, tokens: int
-) -> tuple[ModelRunner, LoadedModel, dict[str, object]]:
+) -> tuple[ModelRunner, ModelRunner, LoadedModel, dict[str, object]]:
     """Greedy tokens of 16 prompts at ``dtype``: Canteen alone and batched against
-    transformers' ``generate`` one prompt at a time, on ``device``."""
+    transformers' ``generate`` one prompt at a time, on ``device``; and the batched tokens of
+    decode steps replayed as CUDA graphs (the worker's default) against eager steps."""
     loaded = load_model(str(path), "gguf", "", device, dtype, False, dtype_reason=reason)
-    runner = ModelRunner(loaded, 64 * -(-(24 + 64 + tokens) // BLOCK), BLOCK, 2048)
+    blocks = 64 * -(-(24 + 64 + tokens) // BLOCK)
+    runner = ModelRunner(loaded, blocks, BLOCK, 2048)
+    eager = ModelRunner(loaded, blocks, BLOCK, 2048, graphs=None)
     hf = (
         AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         .to(device)
@@ -84,12 +86,15 @@ def agreement(
     del hf
     alone = [greedy_runner(runner, [p], tokens)[0] for p in prompts]
     together = greedy_runner(runner, prompts, tokens)
+    together_eager = greedy_runner(eager, prompts, tokens)
     return (
         runner,
+        eager,
         loaded,
         {
             "dtype": str(dtype).removeprefix("torch."),
             "prompts": len(prompts),
+            "graphed_steps": runner.graphs.replays if runner.graphs is not None else 0,
             "alone_equal_transformers": sum(a == r for a, r in zip(alone, reference, strict=True)),
             "alone_first_difference": [
                 first_difference(a, r) for a, r in zip(alone, reference, strict=True)
@@ -98,6 +103,12 @@ def agreement(
             "batched_first_difference": [
                 first_difference(b, a) for b, a in zip(together, alone, strict=True)
             ],
+            "batched_graphed_equal_eager": sum(
+                g == e for g, e in zip(together, together_eager, strict=True)
+            ),
+            "batched_eager_equal_transformers": sum(
+                e == r for e, r in zip(together_eager, reference, strict=True)
+            ),
         },
     )
 
@@ -119,18 +130,24 @@ def main() -> None:
         "dtype_reason": reason,
     }
     if dtype != torch.float32:  # float32 is the exact reference: checked on its own
-        summary["float32"] = agreement(path, device, torch.float32, "asked", args.tokens)[2]
+        summary["float32"] = agreement(path, device, torch.float32, "asked", args.tokens)[3]
         print(json.dumps(summary), flush=True)
-    runner, loaded, summary["auto"] = agreement(path, device, dtype, reason, args.tokens)
+    runner, eager, loaded, summary["auto"] = agreement(path, device, dtype, reason, args.tokens)
     print(json.dumps(summary), flush=True)
     bandwidth = read_bandwidth(device)
     summary["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
     summary["weight_read_floor_ms"] = round(weight_bytes(loaded) / bandwidth * 1e3, 3)
     for batch in (1, 16, 32):
         work = PROMPTS[:batch]
-        engine_run(runner, work, 8)  # warm
-        ms = [engine_run(runner, work, 16)[1] for _ in range(3)]
-        summary[f"decode_step_ms_batch_{batch}"] = round(statistics.median(ms), 2)
+        for which in (runner, eager):
+            engine_run(which, work, 8)  # warm
+        times: dict[str, list[float]] = {"graphed": [], "eager": []}
+        for i in range(4):  # alternating which goes first
+            order = [("graphed", runner), ("eager", eager)]
+            for name, which in order if i % 2 == 0 else order[::-1]:
+                times[name].append(engine_run(which, work, 16)[1])
+        for name, ms in times.items():
+            summary[f"decode_step_ms_batch_{batch}_{name}"] = [round(t, 2) for t in ms]
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

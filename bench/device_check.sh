@@ -54,7 +54,7 @@ export CANTEEN_KERNELS=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 
 # Exactness and the decode step on CUDA, in process (bench/device_check.py).
-timeout 270 "$PY" bench/device_check.py --json "$OUT_DIR/device_check.json" 2>&1 \
+timeout 300 "$PY" bench/device_check.py --json "$OUT_DIR/device_check.json" 2>&1 \
   | tee "$OUT_DIR/device_check.log"
 echo "device_check.py exit ${PIPESTATUS[0]} after $(( $(date +%s) - started )) s"
 

@@ -129,7 +129,9 @@ def build_runner(
     """Warms up at the largest step on a scratch pool, then sizes the real pool from the peak."""
     step_tokens = max(min(config.max_batched_tokens, max_model_len - 1), 1)
     bs = config.block_size
-    scratch = ModelRunner(loaded, (step_tokens + 1 + bs - 1) // bs, bs, config.max_batched_tokens)
+    scratch = ModelRunner(
+        loaded, (step_tokens + 1 + bs - 1) // bs, bs, config.max_batched_tokens, graphs=None
+    )
     warm_up(scratch, step_tokens)
     del scratch
     size = size_pool(
@@ -144,7 +146,14 @@ def build_runner(
     )
     speculation = SpeculationConfig(config.speculative, config.num_speculative_tokens)
     runner = ModelRunner(
-        loaded, size.num_blocks, bs, config.max_batched_tokens, speculation, draft, draft_shares_kv
+        loaded,
+        size.num_blocks,
+        bs,
+        config.max_batched_tokens,
+        speculation,
+        draft,
+        draft_shares_kv,
+        config.graph_sizes,
     )
     warm_up(runner, min(bs * 2, size.num_blocks * bs - 1))
     return runner, size

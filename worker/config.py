@@ -10,6 +10,7 @@ from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
 from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
+from worker.graphs import GraphSizes
 from worker.speculate import SPECULATIVE_KINDS
 
 
@@ -63,6 +64,14 @@ class WorkerConfig(InternalLinkOptions):
     )
     num_kv_blocks: int = option(0, "exact number of KV blocks (overrides both above)")
     max_batched_tokens: int = option(DEFAULT.max_batched_tokens, field_help("max_batched_tokens"))
+    cuda_graph_max_batch: int = option(
+        32,
+        "on CUDA with --forward fast, decode steps of up to this many sequences replay "
+        "captured CUDA graphs (one launch instead of hundreds); 0: off",
+    )
+    cuda_graph_max_context: int = option(
+        2048, "the longest context (tokens) a graphed decode step attends over"
+    )
     threads: int = option(0, "torch CPU threads (0: torch's default)")
     worker_id: str = option("", "worker id (default: generated)")
     grace: float = option(30.0, "seconds running sequences get to finish on SIGTERM")
@@ -156,9 +165,27 @@ class WorkerConfig(InternalLinkOptions):
             self.memory_fraction,
             "must be in (0, 0.98], or 0 for --kv-cache-memory",
         )
+        require(
+            0 <= self.cuda_graph_max_batch <= 512,
+            "cuda_graph_max_batch",
+            self.cuda_graph_max_batch,
+            "must be in 0..512 (0: off)",
+        )
+        require(
+            1 <= self.cuda_graph_max_context <= 131072,
+            "cuda_graph_max_context",
+            self.cuda_graph_max_context,
+            "must be in 1..131072",
+        )
         require(self.threads >= 0, "threads", self.threads, "must be >= 0")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
         parse_bytes(self.kv_cache_memory)
+
+    @property
+    def graph_sizes(self) -> GraphSizes | None:
+        if not self.cuda_graph_max_batch:
+            return None
+        return GraphSizes(self.cuda_graph_max_batch, self.cuda_graph_max_context)
 
     @property
     def kv_cache_bytes(self) -> int:

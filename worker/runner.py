@@ -25,6 +25,7 @@ from worker.attention import PagedBatch
 from worker.batch import BatchBuilder, Row, new_kv_pool
 from worker.constrain import Constraints, load_tokenizer
 from worker.draft import DraftModel, DraftRequest, can_share_kv
+from worker.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
 from worker.guard import BlockLedger, EntryError
 from worker.loader import LoadedModel
 from worker.sampler import sample
@@ -57,13 +58,20 @@ class ModelRunner:
         speculation: SpeculationConfig | None = None,
         draft: LoadedModel | None = None,
         draft_shares_kv: bool = False,
+        graphs: GraphSizes | None = DEFAULT_GRAPHS,
     ) -> None:
+        """``graphs``: which decode steps replay CUDA graphs (worker/graphs.py); used on CUDA
+        with Canteen's forward, or anywhere with ``eager=True``; None: none."""
         self.loaded = loaded
         self.speculation = speculation or SpeculationConfig()
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_batched_tokens = max_batched_tokens
-        self.kv_pool = new_kv_pool(loaded, num_blocks, block_size)
+        graphed = graphs is not None and (
+            graphs.eager or (loaded.device.type == "cuda" and loaded.forward_name == "fast")
+        )
+        # a graphed step's padding rows write into one scratch block past the scheduler's
+        self.kv_pool = new_kv_pool(loaded, num_blocks + int(graphed), block_size)
         self.sequences: dict[str, SequenceState] = {}
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
@@ -93,6 +101,11 @@ class ModelRunner:
             if draft is not None
             else None
         )
+        self.graphs = (
+            DecodeGraphs(loaded.forward, self.kv_pool, num_blocks, self.max_model_len, graphs)
+            if graphed and graphs is not None
+            else None
+        )
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -106,11 +119,8 @@ class ModelRunner:
                 failed=tuple(failed),
                 total_ns=time.perf_counter_ns() - started,
             )
-        batch, input_ids, positions, sample_rows = self._build(plan)
         forward_start = time.perf_counter_ns()
-        with torch.inference_mode():
-            keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
-            logits = self.loaded.forward(input_ids, positions, batch, keep)
+        logits, sample_rows = self._forward(plan)
         sample_start = time.perf_counter_ns()
         proposed = {
             s.seq_id: len(self.sequences[s.seq_id].drafts)
@@ -218,6 +228,33 @@ class ModelRunner:
                 f"{end} tokens need more than its {len(seq.block_ids)} blocks of {self.block_size}",
             )
         self.ledger.will_write(seq.block_ids, seq.num_computed, end)
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+        """The step's logits and the flat rows they came from: a captured graph's where the
+        step is plain decode that fits one, else the eager forward."""
+        graphed = self._graph_rows(plan)
+        with torch.inference_mode():
+            if graphed is not None and self.graphs is not None:
+                return self.graphs.run(graphed), list(range(len(graphed)))
+            batch, input_ids, positions, sample_rows = self._build(plan)
+            keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
+            return self.loaded.forward(input_ids, positions, batch, keep), sample_rows
+
+    def _graph_rows(self, plan: StepPlan) -> list[DecodeRow] | None:
+        """The step as graph rows: every sequence decodes its one last token, drafts none."""
+        if self.graphs is None or not self.graphs.fits(len(plan.scheduled), 0):
+            return None
+        rows, bs = [], self.block_size
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            position = seq.num_computed
+            if item.num_tokens != 1 or position + 1 != len(seq.tokens) or self._draft_limit(item):
+                return None
+            slot = seq.block_ids[position // bs] * bs + position % bs
+            blocks = seq.block_ids[: position // bs + 1]
+            rows.append(DecodeRow(seq.tokens[position], position, slot, blocks))
+        longest = max(r.position + 1 for r in rows)
+        return rows if self.graphs.fits(len(rows), longest) else None
 
     def _build(self, plan: StepPlan) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, list[int]]:
         rows = []
