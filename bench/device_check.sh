@@ -3,7 +3,9 @@
 # SmolLM2's greedy tokens on CUDA against transformers at the same dtype, time the decode
 # step, run the throughput bench, and print one summary.
 #
-#   bench/device_check.sh [--skip-bench]
+#   bench/device_check.sh [--skip-bench | --probe]
+#
+# --probe installs, then only runs bench/suite_probe.py (where a suite step's time goes).
 #
 # On a machine with network access it installs the CUDA build of torch when the installed
 # torch cannot see a GPU. On a machine without (the `device` tool's H200, which has torch),
@@ -52,6 +54,13 @@ fi
 # Canteen's C++ kernels are for the CPU; a CUDA worker never calls them: no build.
 export CANTEEN_KERNELS=0
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+
+if [ "${1:-}" = "--probe" ]; then
+  timeout 300 "$PY" bench/suite_probe.py --streams 1,16,32 --tokens 64 --rounds 2 2>&1 \
+    | grep -v 'it/s\]' | tail -n 40
+  echo "suite_probe.py exit ${PIPESTATUS[0]} after $(( $(date +%s) - started )) s"
+  exit 0
+fi
 
 # Exactness and the decode step on CUDA, in process (bench/device_check.py).
 timeout 300 "$PY" bench/device_check.py --json "$OUT_DIR/device_check.json" 2>&1 \

@@ -129,8 +129,13 @@ def build_runner(
     """Warms up at the largest step on a scratch pool, then sizes the real pool from the peak."""
     step_tokens = max(min(config.max_batched_tokens, max_model_len - 1), 1)
     bs = config.block_size
+    # On CUDA the scratch runner captures the decode graphs too: their memory is in the peak.
     scratch = ModelRunner(
-        loaded, (step_tokens + 1 + bs - 1) // bs, bs, config.max_batched_tokens, graphs=None
+        loaded,
+        (step_tokens + 1 + bs - 1) // bs,
+        bs,
+        config.max_batched_tokens,
+        graphs=config.graph_sizes,
     )
     warm_up(scratch, step_tokens)
     del scratch

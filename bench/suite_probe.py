@@ -1,0 +1,108 @@
+"""Where a suite step's time goes: the worker's own step time against the step as the
+scheduler sees it and the wall time per step, with each service's CPU seconds.
+
+Starts the suite on SmolLM2 (the worker on ``--device auto``: CUDA where present), runs
+``--streams`` concurrent greedy requests through the gateway, and reads the worker's and the
+scheduler's step histograms before and after each run. Prints one JSON line per run:
+
+    worker_ms     the worker's step (forward and sampling), mean over decode steps
+    scheduler_ms  plan sent to result read, mean over decode steps (pipelined: overlaps)
+    wall_ms       the run's wall time over its decode steps
+    prefill_*     steps that computed prompt tokens: how many, and the worker's seconds
+    cpu_s         CPU seconds each process used during the run
+
+Usage: python bench/suite_probe.py [--streams 1,16] [--tokens 64] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.throughput import NicedClient, questions
+from tests.support.suite import Stack, default_model_stack
+
+WORKER = "canteen_worker_step_duration_seconds"
+SCHEDULER = "canteen_step_duration_seconds"
+
+
+def histogram(url: str, name: str) -> dict[str, float]:
+    """{"decode_sum", "decode_count", "prefill_sum", "prefill_count"} of histogram ``name``
+    at a /metrics ``url``."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out = {f"{k}_{p}": 0.0 for k in ("decode", "prefill") for p in ("sum", "count")}
+    for line in text.splitlines():
+        for kind in ("decode", "prefill"):
+            for part in ("sum", "count"):
+                if line.startswith(f"{name}_{part}{{") and f'kind="{kind}"' in line:
+                    out[f"{kind}_{part}"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    services = {
+        "registry": stack.registry,
+        "scheduler": stack.scheduler,
+        "worker": stack.worker,
+        "gateway": stack.gateway,
+    }
+    return {
+        name: sum(psutil.Process(s.process.pid).cpu_times()[:2]) for name, s in services.items()
+    }
+
+
+def probe(stack: Stack, client: NicedClient, streams: int, tokens: int, tag: str) -> dict:
+    urls = (stack.worker.metrics_url, stack.scheduler.metrics_url)
+    before = [histogram(u, n) for u, n in zip(urls, (WORKER, SCHEDULER), strict=True)]
+    cpu, started = cpu_seconds(stack), time.perf_counter()
+    tps = client.run(stack.gateway.address, questions(streams, tag), tokens)
+    wall = time.perf_counter() - started
+    after = [histogram(u, n) for u, n in zip(urls, (WORKER, SCHEDULER), strict=True)]
+    used = cpu_seconds(stack)
+    (w0, s0), (w1, s1) = before, after
+    steps = max(w1["decode_count"] - w0["decode_count"], 1)
+    seen = max(s1["decode_count"] - s0["decode_count"], 1)
+    return {
+        "streams": streams,
+        "tok_s": round(tps, 1),
+        "decode_steps": int(steps),
+        "worker_ms": round(1e3 * (w1["decode_sum"] - w0["decode_sum"]) / steps, 2),
+        "scheduler_ms": round(1e3 * (s1["decode_sum"] - s0["decode_sum"]) / seen, 2),
+        "wall_ms": round(1e3 * wall / steps, 2),
+        "prefill_steps": int(w1["prefill_count"] - w0["prefill_count"]),
+        "prefill_s": round(w1["prefill_sum"] - w0["prefill_sum"], 3),
+        "wall_s": round(wall, 3),
+        "cpu_s": {k: round(used[k] - cpu[k], 2) for k in used},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", default="1,16")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--worker-args", default="", help="extra worker flags, space-separated")
+    args = parser.parse_args()
+    worker_args = ["--kv-cache-memory", "1GiB", "--dtype", "auto", *args.worker_args.split()]
+    with tempfile.TemporaryDirectory() as tmp:
+        with default_model_stack(Path(tmp), worker_args=worker_args) as stack:
+            client = NicedClient()
+            client.run(stack.gateway.address, questions(2, "warm"), 8)
+            for r in range(args.rounds):
+                for streams in (int(s) for s in args.streams.split(",")):
+                    found = probe(stack, client, streams, args.tokens, f"r{r}")
+                    print(json.dumps(found), flush=True)
+            client.close()
+
+
+if __name__ == "__main__":
+    main()
