@@ -17,11 +17,13 @@ Usage: python bench/suite_probe.py [--streams 1,16] [--tokens 64] [--rounds 2]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -29,7 +31,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import NicedClient, questions
-from tests.support.suite import Stack, default_model_stack
+from tests.support.suite import Stack, Suite, default_model_stack, wait_serving
 
 WORKER = "canteen_worker_step_duration_seconds"
 SCHEDULER = "canteen_step_duration_seconds"
@@ -85,16 +87,39 @@ def probe(stack: Stack, client: NicedClient, streams: int, tokens: int, tag: str
     }
 
 
+@contextlib.contextmanager
+def tiny_stack(workdir: Path, worker_args: list[str]) -> Iterator[Stack]:
+    """The suite on a tiny random llama (tests/support/tiny_model.py)."""
+    from tests.support.tiny_model import build_tiny_model
+
+    suite = Suite(workdir)
+    try:
+        registry = suite.start_tiny_registry(build_tiny_model(workdir / "tiny"))
+        scheduler = suite.start_scheduler(registry)
+        worker = suite.start_worker(registry, "tiny", *worker_args)
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 120, role="scheduler")
+        yield Stack(registry, scheduler, worker, suite.start_gateway(registry, scheduler))
+    finally:
+        suite.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="1,16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--worker-args", default="", help="extra worker flags, space-separated")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a tiny random model instead of SmolLM2: steps of about a millisecond, the "
+        "regime of a GPU worker, where the edge services bound the suite",
+    )
     args = parser.parse_args()
     worker_args = ["--kv-cache-memory", "1GiB", "--dtype", "auto", *args.worker_args.split()]
     with tempfile.TemporaryDirectory() as tmp:
-        with default_model_stack(Path(tmp), worker_args=worker_args) as stack:
+        stacks = tiny_stack if args.tiny else default_model_stack
+        with stacks(Path(tmp), worker_args=worker_args) as stack:
             client = NicedClient()
             client.run(stack.gateway.address, questions(2, "warm"), 8)
             for r in range(args.rounds):
