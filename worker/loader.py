@@ -120,7 +120,6 @@ def load_model(
     quantization: str = "none",
     forward: str = "fast",
     dtype_reason: str = "",
-    head_quantization: str | None = None,
 ) -> LoadedModel:
     if quantization != "none" and device.type != "cpu":
         raise ModelLoadError(f"quantization={quantization!r}: the low-bit kernels are CPU-only")
@@ -152,8 +151,7 @@ def load_model(
         raise ModelLoadError("sliding-window attention is not supported by the paged kernel")
     model = model.to(device).eval()  # type: ignore[arg-type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    gguf = weights if fmt == "gguf" else None
-    run, forward = _forward(model, gguf, quantization, forward, head_quantization)
+    run, forward = _forward(model, weights if fmt == "gguf" else None, quantization, forward)
     return LoadedModel(
         model=model,
         forward=run,
@@ -173,11 +171,7 @@ def load_model(
 
 
 def _forward(
-    model: PreTrainedModel,
-    gguf: Path | None,
-    quantization: str,
-    requested: str,
-    head_quantization: str | None = None,
+    model: PreTrainedModel, gguf: Path | None, quantization: str, requested: str
 ) -> tuple[Forward, str]:
     """Canteen's fused forward where the family is supported exactly, else transformers'."""
     config = model.config
@@ -188,7 +182,7 @@ def _forward(
             params = {name: p.detach() for name, p in model.named_parameters()}
             q4 = exact_groups(gguf, params, config.num_attention_heads, config.num_key_value_heads)
             log.info("int4 from the GGUF's Q4_1 blocks", num_exact_tensors=len(q4))
-        return FastModel(model, quantization, q4, head_quantization), "fast"
+        return FastModel(model, quantization, q4), "fast"
     if quantization != "none":
         raise ModelLoadError(
             f"quantization={quantization!r} needs Canteen's forward, which does not support "

@@ -220,14 +220,7 @@ def _stack(layers: list[Layer]) -> Stack | None:
 class FastModel:
     """The decoder over one flattened step: token ids [T] -> logits [len(keep), vocab]."""
 
-    def __init__(
-        self,
-        hf: PreTrainedModel,
-        quantization: str,
-        q4: dict[str, Q4Groups],
-        head_quantization: str | None = None,
-    ) -> None:
-        """``head_quantization``: the head's own (default: int8 under int4, else the body's)."""
+    def __init__(self, hf: PreTrainedModel, quantization: str, q4: dict[str, Q4Groups]) -> None:
         config = hf.config
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -250,10 +243,8 @@ class FastModel:
             Layer(layer, f"model.layers.{i}", self.shape, quantization, q4)
             for i, layer in enumerate(body.layers)
         ]
-        # The head decides every token: it stays at 8 bits under int4 (a draft model's, whose
-        # tokens the target checks, may go to 4: worker/__main__.py's load_draft).
-        if head_quantization is None:
-            head_quantization = "int8" if quantization == "int4" else quantization
+        # The head decides every token: it stays at 8 bits under int4.
+        head_quantization = "int8" if quantization == "int4" else quantization
         self.lm_head = make_linear(hf.lm_head.weight.detach(), hf.lm_head.bias, head_quantization)
         for layer in body.layers:
             # The fused copies replace these; free transformers' per-projection weights.

@@ -149,31 +149,3 @@ def test_qk_norms_keep_the_layer_by_layer_path(tmp_path: Path) -> None:
     path = _build(tmp_path / "qwen3", "qwen3")
     loaded = load_model(str(path), "safetensors", "", torch.device("cpu"), torch.bfloat16, False)
     assert isinstance(loaded.forward, FastModel) and loaded.forward.stack is None
-
-
-def test_an_int4_draft_reads_a_4_bit_head_while_the_served_model_keeps_8_bits(
-    tmp_path: Path,
-) -> None:
-    """The served model's head decides every token and stays at 8 bits under int4; a draft
-    model's tokens are only proposals the target checks, so the worker gives its head 4
-    bits too (a seventh of a SmolLM2 draft forward's reads)."""
-    from canteen.v1 import registry_pb2
-    from worker.__main__ import load_draft
-    from worker.config import WorkerConfig
-    from worker.model import FastModel
-    from worker.quant import Int8Linear
-
-    path = _build(tmp_path / "llama", "llama")
-    cpu, bf16 = torch.device("cpu"), torch.bfloat16
-    target = load_model(str(path), "safetensors", "", cpu, bf16, False, quantization="int4")
-    assert isinstance(target.forward, FastModel)
-    assert isinstance(target.forward.lm_head, Int8Linear)
-    config = WorkerConfig(speculative="draft", draft_model="tiny", draft_quantization="int4")
-    record = registry_pb2.ModelRecord(
-        name="tiny", version="v1", path=str(path), format=registry_pb2.MODEL_FORMAT_SAFETENSORS
-    )
-    draft = load_draft(config, record, cpu, bf16, target)
-    assert isinstance(draft.forward, FastModel)
-    assert isinstance(draft.forward.lm_head, Int4Linear)
-    runner = ModelRunner(draft, 4 * 8, BLOCK, max_batched_tokens=256)
-    assert len(generate(runner, PROMPTS, 6)["p1"]) == 6
