@@ -8,9 +8,10 @@
           ``(q - 8) * scale + zero``, so a GGUF Q4_1 block (``d * q + m``) fits exactly as
           ``scale = d, zero = m + 8 d`` (see worker/gguf_q4.py).
 
-Steps of up to QUANT_ROWS rows (decode, drafts) take Canteen's ``quant_linear`` instead
+Where Canteen's ``quant_linear`` runs vectorized (AVX512-VNNI, or AVX2), every step takes it
 (worker/kernels/lowbit.cpp): the same int8 or 4-bit values, with float16 scales (Q4_1's own
-d and m exactly), and activations rounded to int8 per group of 32, as llama.cpp does.
+d and m exactly), and activations rounded to int8 per group of 32, as llama.cpp does. torch's
+kernels above are the fallback on CPUs without either.
 
 Both low-bit kernels are fast only with bfloat16 activations on this CPU (float32 and float16
 activations ran 10-50x slower), so quantized layers compute in bfloat16.
@@ -176,11 +177,14 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-# Up to this many rows, an int8 or int4 step goes through Canteen's quant_linear (int8
-# activations, integer dot products). Measured here (AMD EPYC Zen 4, two threads, one row,
-# weights in cache): SmolLM2's int4 layers at 34-47 GB/s of 4-bit weights against 14-16 GB/s
-# for torch's int4 kernel.
-QUANT_ROWS = 8
+# Rows of a step an int8 or int4 layer sends through Canteen's quant_linear (int8
+# activations, integer dot products): all of them. It takes eight rows at a time against each
+# block of weights while the block is in L1. Measured on the Xeon with AMX (2026-12-04, two
+# threads, SmolLM2's four linear shapes times 30 layers, weights in cache): int4 1.7 / 8.7 /
+# 33 / 126 ms at 1 / 16 / 64 / 256 rows against 3.8 / 22 / 87 / 340 for torch's int4 kernel,
+# int8 1.5 / 8.4 / 33 / 123 against 3.2 / 25 / 95 / 376 for torch's int8 one. On the Zen 4 at
+# one row: 34-47 GB/s of 4-bit weights against 14-16 GB/s.
+QUANT_ROWS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -238,8 +242,12 @@ class Int8Linear:
         return pack_groups(u, d, -128 * d, bits=8)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= QUANT_ROWS:
+        if self.packed is not None:
             return self.packed(x, self.bias)
+        return self.fallback(x)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's int8 kernel (bfloat16 activations), for CPUs quant_linear is slow on."""
         out = torch._weight_int8pack_mm(x, self.weight, self.scales)
         return out if self.bias is None else out + self.bias
 
@@ -263,8 +271,12 @@ class Int4Linear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= QUANT_ROWS:
+        if self.packed is not None:
             return self.packed(x, self.bias)
+        return self.fallback(x)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's int4 kernel (activations in ``dtype``), for CPUs quant_linear is slow on."""
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.weight, GROUP_SIZE, self.scales_and_zeros
         )

@@ -87,7 +87,7 @@ def test_int4_layout_carries_q4_1_values_exactly() -> None:
         torch.rand(rows, cols // GROUP_SIZE).half().float(),  # Q4_1's d and m are float16
         torch.randn(rows, cols // GROUP_SIZE).half().float(),
     )
-    weights = Int4Linear(groups, None, torch.float32)(torch.eye(cols)).T
+    weights = Int4Linear(groups, None, torch.float32).fallback(torch.eye(cols)).T  # torch's
     # The kernel computes (q - 8) * d + (m + 8 d): the same real number as Q4_1's d * q + m,
     # rounded to float32 by a different sum: apart by at most the rounding of the group's
     # largest term.

@@ -1,5 +1,5 @@
-// canteen::quant_linear: 4- or 8-bit weights x int8 activations for the few rows of a decode
-// step (llama.cpp's Q4_1 x Q8_1 arithmetic).
+// canteen::quant_linear: 4- or 8-bit weights x int8 activations (llama.cpp's Q4_1 x Q8_1
+// arithmetic), for decode steps and short chunks.
 //
 // Weights come in groups of 32 along K with w = d * u + m: u in 0..15 (4 bits; a GGUF Q4_1
 // block as is) or 0..255 (8 bits; int8 weights q with scale s as u = q + 128, d = s,
@@ -8,6 +8,11 @@
 //   sum_i w_i x_i ~= d * sx * sum_i u_i xq_i + m * sx * sum_i xq_i.
 // This rounds the activations to 8 bits, which torch's low-bit kernels do not; in exchange
 // the weights stream at near the memory's bandwidth where those kernels are compute-bound.
+//
+// Rows are taken eight at a time against each block of 16 outputs while its weights are in
+// L1, so the weights stream from memory once whatever the row count, and each row's result is
+// the same bits as in a call of its own (its activations are quantized alone, its sums run in
+// the same order): batched equals alone.
 //
 // Layout (worker/quant.py, pack_groups): output rows in blocks of 16, one 32-bit lane per row,
 // so no horizontal sums. Per block and group, chunks of 16 lanes x 4 bytes: at 8 bits chunk c
@@ -35,7 +40,7 @@ namespace {
 using canteen::to_float;
 
 constexpr int64_t kGroup = 32, kBlock = 16;
-constexpr int64_t kMaxRows = 8;  // rows of x a call takes (worker/quant.py, QUANT_ROWS)
+constexpr int64_t kMaxRows = 8;  // rows of x one pass over a block takes
 
 struct Q8Rows {
   int64_t rows, k, groups;
@@ -70,6 +75,18 @@ Q8Rows quantize_rows(const T* x, int64_t rows, int64_t k) {
   return out;
 }
 
+// ``rows`` rows of a Q8Rows from ``first`` on, as block_dots reads them.
+struct Q8View {
+  const int8_t* q;
+  const float* sx;
+  const float* xsum;
+  int64_t k, groups;
+
+  Q8View(const Q8Rows& x, int64_t first)
+      : q(x.q.data() + first * x.k), sx(x.sx.data() + first * x.groups),
+        xsum(x.xsum.data() + first * x.groups), k(x.k), groups(x.groups) {}
+};
+
 // Bytes per block and group, and 32-bit chunks of 16 lanes in them.
 template <int Bits>
 constexpr int64_t kGroupBytes = kBlock * kGroup * Bits / 8;
@@ -88,7 +105,7 @@ constexpr bool kVectorized = true;
 
 // out[r][0..16) for one block of 16 weight rows against every row of x.
 template <int Bits, int Rows>
-void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float (*out)[kBlock]) {
+void block_dots(const uint8_t* w, const at::Half* scales, const Q8View& x, float (*out)[kBlock]) {
   __m512 acc[Rows];
   for (int r = 0; r < Rows; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -107,7 +124,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(sp));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(sp + 1));
     for (int r = 0; r < Rows; ++r) {
-      const int8_t* xq = x.q.data() + r * x.k + g * kGroup;
+      const int8_t* xq = x.q + r * x.k + g * kGroup;
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
       for (int c = 0; c < 8; c += 2) {
         even = _mm512_dpbusd_epi32(even, u[c], _mm512_set1_epi32(four(xq, 4 * c)));
@@ -129,7 +146,7 @@ constexpr bool kVectorized = true;
 // at 32767: 4-bit pairs (2 * 15 * 128) never reach it; 8-bit ones (2 * 255 * 128) can, so
 // 8-bit weights are widened to int16 first and multiplied with madd.
 template <int Bits, int Rows>
-void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float (*out)[kBlock]) {
+void block_dots(const uint8_t* w, const at::Half* scales, const Q8View& x, float (*out)[kBlock]) {
   __m256 acc[Rows][2];
   for (int r = 0; r < Rows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -149,7 +166,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(sp));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(sp + 2));
       for (int r = 0; r < Rows; ++r) {
-        const int8_t* xq = x.q.data() + r * x.k + g * kGroup;
+        const int8_t* xq = x.q + r * x.k + g * kGroup;
         __m256i sum = _mm256_setzero_si256();
         for (int c = 0; c < 8; ++c) {
           const __m256i xv = _mm256_set1_epi32(four(xq, 4 * c));
@@ -182,11 +199,11 @@ constexpr bool kVectorized = false;
 // A plain loop, kept for correctness on CPUs without either (the worker then prefers torch's
 // kernels, see quant_vectorized).
 template <int Bits, int Rows>
-void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float (*out)[kBlock]) {
+void block_dots(const uint8_t* w, const at::Half* scales, const Q8View& x, float (*out)[kBlock]) {
   for (int r = 0; r < Rows; ++r) std::fill(out[r], out[r] + kBlock, 0.f);
   for (int64_t g = 0; g < x.groups; ++g, w += kGroupBytes<Bits>, scales += 2 * kBlock) {
     for (int r = 0; r < Rows; ++r) {
-      const int8_t* xq = x.q.data() + r * x.k + g * kGroup;
+      const int8_t* xq = x.q + r * x.k + g * kGroup;
       const int64_t at = r * x.groups + g;
       for (int64_t lane = 0; lane < kBlock; ++lane) {
         int32_t dot = 0;
@@ -209,7 +226,7 @@ void block_dots(const uint8_t* w, const at::Half* scales, const Q8Rows& x, float
 #endif
 
 // Rows is a template argument so the accumulators live in registers.
-using BlockFn = void (*)(const uint8_t*, const at::Half*, const Q8Rows&, float (*)[kBlock]);
+using BlockFn = void (*)(const uint8_t*, const at::Half*, const Q8View&, float (*)[kBlock]);
 template <int Bits>
 constexpr BlockFn kBlockDots[kMaxRows] = {
     block_dots<Bits, 1>, block_dots<Bits, 2>, block_dots<Bits, 3>, block_dots<Bits, 4>,
@@ -221,19 +238,28 @@ constexpr BlockFn kBlockDots[kMaxRows] = {
 // an int4 step's linears about 5% faster there (not measured again on the Zen 4).
 constexpr int64_t kMinTaskBytes = 64 * 1024;
 
-// Every block of 16 outputs, or with a gate each gate block with the up block ``half`` on.
+// Every block of 16 outputs, or with a gate each gate block with the up block ``half`` on;
+// ``dots`` holds block_dots for 1..kMaxRows rows.
 template <typename T>
-void quant_blocks(BlockFn dots, const uint8_t* pp, const at::Half* sp, int64_t block_bytes,
+void quant_blocks(const BlockFn* dots, const uint8_t* pp, const at::Half* sp, int64_t block_bytes,
                   int64_t block_scales, const Q8Rows& q8, int64_t blocks, const canteen::Finish<T>& fin) {
   const int64_t rows = q8.rows, half = fin.inner > 0 ? blocks / 2 : 0, units = half ? half : blocks;
   const int64_t unit_bytes = block_bytes * (half ? 2 : 1);
   const int64_t grain = std::max<int64_t>(half ? 2 : 4, kMinTaskBytes / std::max<int64_t>(unit_bytes, 1));
   at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-    float sums[kMaxRows][kBlock], ups[kMaxRows][kBlock];
+    std::vector<float> sum_rows(rows * kBlock), up_rows(half ? rows * kBlock : 0);
+    auto* sums = reinterpret_cast<float (*)[kBlock]>(sum_rows.data());
+    auto* ups = reinterpret_cast<float (*)[kBlock]>(up_rows.data());
+    auto pass = [&](int64_t blk, float (*into)[kBlock]) {  // every row, eight at a time
+      for (int64_t first = 0; first < rows; first += kMaxRows) {
+        const int64_t n = std::min(kMaxRows, rows - first);
+        dots[n - 1](pp + blk * block_bytes, sp + blk * block_scales, Q8View(q8, first), into + first);
+      }
+    };
     for (int64_t blk = begin; blk < end; ++blk) {
-      dots(pp + blk * block_bytes, sp + blk * block_scales, q8, sums);
+      pass(blk, sums);
       if (half) {
-        dots(pp + (half + blk) * block_bytes, sp + (half + blk) * block_scales, q8, ups);
+        pass(half + blk, ups);
         for (int64_t r = 0; r < rows; ++r) fin.gate(r, blk * kBlock, sums[r], ups[r]);
       } else {
         for (int64_t r = 0; r < rows; ++r) fin.store(r, blk * kBlock, sums[r]);
@@ -242,13 +268,13 @@ void quant_blocks(BlockFn dots, const uint8_t* pp, const at::Half* sp, int64_t b
   });
 }
 
-// x [M, K] (M <= 8) @ the weight [N, K]^T (+ bias): packed [ceil(N / 16), K / 32, 256 or 512]
+// x [M, K] @ the weight [N, K]^T (+ bias): packed [ceil(N / 16), K / 32, 256 or 512]
 // uint8 (4 or 8 bits), scales [ceil(N / 16), K / 32, 2, 16] float16; finished plainly, onto
 // ``residual`` [M, N], or through the SiLU gate (common.h, Finish).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         int64_t n, const c10::optional<at::Tensor>& bias,
                         const c10::optional<at::Tensor>& residual, bool gate) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) <= kMaxRows, "quant_linear: x [M <= 8, K]");
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x [M, K]");
   const int64_t rows = x.size(0), k = x.size(1), blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(k % kGroup == 0, "quant_linear: K a multiple of 32");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(0) == blocks &&
@@ -265,7 +291,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const auto b = canteen::padded_bias(bias, n, blocks * kBlock, "quant_linear");
   auto out = at::empty({rows, gate ? n / 2 : n}, xc.options());
   const int64_t block_bytes = pc.size(1) * pc.size(2), block_scales = sc.size(1) * 2 * kBlock;
-  const BlockFn dots = (pc.size(2) == 256 ? kBlockDots<4> : kBlockDots<8>)[std::max<int64_t>(rows, 1) - 1];
+  const BlockFn* dots = pc.size(2) == 256 ? kBlockDots<4> : kBlockDots<8>;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_linear_out", [&] {
     using T = scalar_t;
     const T* res = canteen::residual_rows<T>(residual, xc, n, gate, "quant_linear");
