@@ -23,7 +23,8 @@ Each step takes the better arm for its batch size. Both step times are first mea
 tried for a few steps (which also refreshes every sequence's record), and after twice as
 many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``); drafts are not tried
 again where they could not pay even if every one held (a draft model's drafting step in a
-batch of 16 costs a dozen plain ones: one try would cost more than it could ever win).
+batch of 16 costs a dozen plain ones: one try would cost more than it could ever win), once
+``MIN_MEASURED`` drafting steps there have said so: one slow step alone does not.
 Drafts are not tried at a batch size when the batch's expected acceptance is below a smaller
 size's break-even (a bigger batch's break-even is higher), nor, above ``FREE_TRY_SIZE``, before
 the next smaller size has shown that they pay: a busy server that starts at 16 sequences and
@@ -39,6 +40,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from canteen.logging import get_logger
+
+log = get_logger(__name__)
+
 EXPLORE_EVERY = 16  # steps of a batch size before the arm that looks worse is tried again
 MAX_EXPLORE_EVERY = 512
 TRY_STEPS = 2  # steps in a row of a tried arm (the first, the switch, is not measured)
@@ -49,6 +54,10 @@ TIME_DECAY = 0.7  # weight a step-time estimate keeps per new measurement
 RECORD_DECAY = 0.8
 PRIOR_SHARE = 0.75  # a sequence never measured: this share of its drafts expected to hold
 FREE_TRY_SIZE = 2  # size buckets (1, 2-3 sequences) where drafts are tried unproven
+# Drafting steps measured at a batch size before "drafts could not pay here even if every one
+# held" stops the tries there: one slow first step (a cold cache, a busy host) measured 6x a
+# plain step once and kept a stream that repeats a paragraph from ever drafting again.
+MIN_MEASURED = 3
 
 
 @dataclass
@@ -72,6 +81,9 @@ class _Bucket:
     trying: bool | None = None  # the arm being tried, for ``left`` more steps
     left: int = 0
     last: bool | None = None  # the arm of the last measured step
+    chosen: bool | None = None  # the arm the last plan took (logged at debug when it changes)
+    measured: dict[bool, int] = field(default_factory=dict)  # steps measured per arm
+    gave_up: bool = False  # drafts found unable to pay here (logged once)
 
     def start_try(self, arm: bool) -> bool:
         self.trying, self.left, self.steps = arm, TRY_STEPS - 1, 0
@@ -113,6 +125,7 @@ class SpeculationPolicy:
         if switched:
             return  # a switch's cost (a draft model's catch-up) is not the arm's
         old = bucket.seconds.get(drafted)
+        bucket.measured[drafted] = bucket.measured.get(drafted, 0) + 1
         bucket.seconds[drafted] = (
             seconds if old is None else old * TIME_DECAY + seconds * (1 - TIME_DECAY)
         )
@@ -124,7 +137,20 @@ class SpeculationPolicy:
             return 0
         prior = self.num_tokens * PRIOR_SHARE
         gain = sum(prior if r.accepted is None else r.accepted for r in records)
-        return self.num_tokens if self._choose(num_decodes, gain / num_decodes) else 0
+        on = self._choose(num_decodes, gain / num_decodes)
+        bucket = self._buckets[num_decodes.bit_length()]
+        if on != bucket.chosen:
+            bucket.chosen = on
+            log.debug(
+                "drafts turned " + ("on" if on else "off"),
+                batch_size=num_decodes,
+                expected_accepted=round(gain / num_decodes, 2),
+                break_even=None if bucket.break_even is None else round(bucket.break_even, 2),
+                seconds_on=bucket.seconds.get(True),
+                seconds_off=bucket.seconds.get(False),
+                trying=bucket.trying,
+            )
+        return self.num_tokens if on else 0
 
     def _choose(self, num_decodes: int, expected: float) -> bool:
         """Drafts or not for a batch whose sequences expect ``expected`` accepted drafts
@@ -144,8 +170,18 @@ class SpeculationPolicy:
         best = expected > need
         bucket.steps += 1
         if bucket.steps >= bucket.explore_every:
-            if not best and (self.num_tokens <= need or self._not_worth_a_try(size, expected)):
+            hopeless = self.num_tokens <= need and bucket.measured.get(True, 0) >= MIN_MEASURED
+            if not best and (hopeless or self._not_worth_a_try(size, expected)):
                 bucket.steps = 0  # drafts could not pay here even if every one held
+                if hopeless and not bucket.gave_up:
+                    bucket.gave_up = True  # logged once per batch size
+                    log.info(
+                        "drafts stay off: they could not pay even if every one held",
+                        batch_size=num_decodes,
+                        break_even=round(need, 2),
+                        seconds_on=bucket.seconds.get(True),
+                        seconds_off=bucket.seconds.get(False),
+                    )
                 return False
             return bucket.start_try(not best)
         return best
