@@ -137,18 +137,19 @@ class DecodeGraphs:
         return graph.logits[: len(rows)]
 
     def _host_inputs(self, rows: list[DecodeRow], batch: int, width: int) -> torch.Tensor:
-        n, bs = len(rows), self.block_size
-        flat = torch.empty(4 * batch + batch * width, dtype=torch.long)
-        flat[:batch] = 0
-        flat[batch : 2 * batch] = 0
-        flat[2 * batch : 3 * batch] = self.scratch_block * bs
-        flat[3 * batch : 4 * batch] = 1  # a padding row attends over its own scratch slot
-        flat[:n] = torch.tensor([r.token_id for r in rows])
-        flat[batch : batch + n] = torch.tensor([r.position for r in rows])
-        flat[2 * batch : 2 * batch + n] = torch.tensor([r.slot for r in rows])
-        flat[3 * batch : 3 * batch + n] = torch.tensor([r.position + 1 for r in rows])
+        """``rows`` padded to ``batch`` rows of ``width`` blocks: a padding row computes token
+        0 at position 0 into the scratch block's first slot, and attends over that slot."""
+        n = len(rows)
+        flat = torch.zeros(4 * batch + batch * width, dtype=torch.long)
+        flat[2 * batch : 3 * batch] = self.scratch_block * self.block_size
+        flat[3 * batch : 4 * batch] = 1
+        flat[4 * batch :] = self.scratch_block
+        if n:
+            flat[:n] = torch.tensor([r.token_id for r in rows])
+            flat[batch : batch + n] = torch.tensor([r.position for r in rows])
+            flat[2 * batch : 2 * batch + n] = torch.tensor([r.slot for r in rows])
+            flat[3 * batch : 3 * batch + n] = torch.tensor([r.position + 1 for r in rows])
         tables = flat[4 * batch :].view(batch, width)
-        tables.fill_(self.scratch_block)
         for i, r in enumerate(rows):
             tables[i, : len(r.block_ids)] = torch.tensor(r.block_ids)
         return flat
@@ -173,11 +174,8 @@ class DecodeGraphs:
         return self.forward(ids, positions, step, self._rows[:batch])
 
     def _new(self, batch: int, width: int) -> _Graph:
-        inputs = torch.zeros(4 * batch + batch * width, dtype=torch.long, device=self.device)
-        inputs[2 * batch : 3 * batch] = self.scratch_block * self.block_size
-        inputs[3 * batch : 4 * batch] = 1
-        inputs[4 * batch :] = self.scratch_block
-        return _Graph(inputs, None, None)
+        """Static inputs holding padding rows only, until a step copies its own in."""
+        return _Graph(self._host_inputs([], batch, width).to(self.device), None, None)
 
     def _capture_all(self) -> None:
         """Captures every (batch, width) pair, largest first, into one memory pool."""

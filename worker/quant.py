@@ -225,7 +225,22 @@ def _fast_path(k: int, pack: Callable[[], GroupPacked]) -> GroupPacked | None:
     return pack() if k % GROUP_SIZE == 0 and kernels.quant_vectorized() else None
 
 
-class Int8Linear:
+class _LowBitLinear:
+    """quant_linear's copy where it runs (every step), else torch's kernel (``fallback``)."""
+
+    packed: GroupPacked | None
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x, self.bias)
+        return self.fallback(x)
+
+    def fallback(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(_LowBitLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         w = weight.float()
         self.scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
@@ -241,18 +256,13 @@ class Int8Linear:
         u = (self.weight.to(torch.int16) + 128).to(torch.uint8)
         return pack_groups(u, d, -128 * d, bits=8)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed(x, self.bias)
-        return self.fallback(x)
-
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """torch's int8 kernel (bfloat16 activations), for CPUs quant_linear is slow on."""
         out = torch._weight_int8pack_mm(x, self.weight, self.scales)
         return out if self.bias is None else out + self.bias
 
 
-class Int4Linear:
+class Int4Linear(_LowBitLinear):
     """``dtype`` is the activations': torch's kernel wants its scales and zeros in it. Only
     float32 holds Q4_1's float16 d and m exactly; bfloat16 (the fast one) rounds them."""
 
@@ -270,11 +280,6 @@ class Int4Linear:
             groups.q.shape[1], lambda: pack_groups(groups.q, groups.d, groups.m, bits=4)
         )
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed(x, self.bias)
-        return self.fallback(x)
-
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """torch's int4 kernel (activations in ``dtype``), for CPUs quant_linear is slow on."""
         out: torch.Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -291,7 +296,7 @@ def kernel_form(linear: Linear) -> tuple[list[torch.Tensor], int, int] | None:
     if isinstance(linear, PackedLinear) and linear.lanes is not None:
         bias = none if linear.bias is None else linear.bias
         return [linear.lanes, none, bias], linear.out_features, linear.skinny_rows
-    if isinstance(linear, Int8Linear | Int4Linear) and linear.packed is not None:
+    if isinstance(linear, _LowBitLinear) and linear.packed is not None:
         packed, bias = linear.packed, none if linear.bias is None else linear.bias
         return [packed.weights, packed.scales, bias], packed.out_features, QUANT_ROWS
     return None

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, currently_in_test_context, event, settings
 from hypothesis import strategies as st
 
 from canteen.v1 import inference_pb2, inference_pb2_grpc
+from gateway.tools import ROLES
 
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -47,7 +48,6 @@ FIELDS = (
     "user",
     "tokens",
 )
-ROLES = ("system", "user", "assistant", "tool")
 INT32 = st.integers(-(2**31), 2**31 - 1)
 SETTINGS = settings(
     max_examples=100,
