@@ -55,8 +55,9 @@ RECORD_DECAY = 0.8
 PRIOR_SHARE = 0.75  # a sequence never measured: this share of its drafts expected to hold
 FREE_TRY_SIZE = 2  # size buckets (1, 2-3 sequences) where drafts are tried unproven
 # Drafting steps measured at a batch size before "drafts could not pay here even if every one
-# held" stops the tries there: one slow first step (a cold cache, a busy host) measured 6x a
-# plain step once and kept a stream that repeats a paragraph from ever drafting again.
+# held" stops the tries there, judged by the quickest of them: slow first steps (a busy host
+# while the suite warms up) measured 6x a plain step and kept a stream that repeats a
+# paragraph from ever drafting again.
 MIN_MEASURED = 3
 
 
@@ -83,6 +84,7 @@ class _Bucket:
     last: bool | None = None  # the arm of the last measured step
     chosen: bool | None = None  # the arm the last plan took (logged at debug when it changes)
     measured: dict[bool, int] = field(default_factory=dict)  # steps measured per arm
+    fastest: dict[bool, float] = field(default_factory=dict)  # quickest step per arm
     gave_up: bool = False  # drafts found unable to pay here (logged once)
 
     def start_try(self, arm: bool) -> bool:
@@ -126,6 +128,7 @@ class SpeculationPolicy:
             return  # a switch's cost (a draft model's catch-up) is not the arm's
         old = bucket.seconds.get(drafted)
         bucket.measured[drafted] = bucket.measured.get(drafted, 0) + 1
+        bucket.fastest[drafted] = min(bucket.fastest.get(drafted, seconds), seconds)
         bucket.seconds[drafted] = (
             seconds if old is None else old * TIME_DECAY + seconds * (1 - TIME_DECAY)
         )
@@ -170,7 +173,9 @@ class SpeculationPolicy:
         best = expected > need
         bucket.steps += 1
         if bucket.steps >= bucket.explore_every:
-            hopeless = self.num_tokens <= need and bucket.measured.get(True, 0) >= MIN_MEASURED
+            hopeless = bucket.measured.get(True, 0) >= MIN_MEASURED and self.num_tokens <= (
+                bucket.fastest[True] / bucket.seconds[False] - 1
+            )  # even the quickest drafting step measured here: early steps can all be slow
             if not best and (hopeless or self._not_worth_a_try(size, expected)):
                 bucket.steps = 0  # drafts could not pay here even if every one held
                 if hopeless and not bucket.gave_up:
