@@ -59,26 +59,9 @@ with _instrumented():
     from gateway.tokenizers import TemplateError, Tokenizer
     from gateway.tools import ROLES
 
+from tests.support.hostile import FIELDS  # noqa: E402  (after the path setup above)
+
 CONFIG = GatewayConfig()
-FIELDS = (
-    "model",
-    "prompt",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stop",
-    "seed",
-    "stream",
-    "stream_options",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "ignore_eos",
-    "user",
-)
 WORDS = (*ROLES, "text", "image_url", "include_usage", "", "tiny", "tiny:v1", *FIELDS)
 SEEDS: dict[str, list[bytes]] = {
     "parse_request": [
