@@ -56,6 +56,19 @@ def _decode(runner: ModelRunner, prompt: list[int], sampling: Sampling, new: int
     return out[:new]
 
 
+def _record_steps(runner: ModelRunner) -> list[StepResult]:
+    """The results of every step ``runner`` runs from now on, in order."""
+    steps: list[StepResult] = []
+    original = runner.step
+
+    def recording(plan: StepPlan) -> StepResult:
+        steps.append(original(plan))
+        return steps[-1]
+
+    runner.step = recording  # type: ignore[method-assign]
+    return steps
+
+
 def test_greedy_with_drafts_equals_transformers_and_drafts_are_accepted(
     loaded: LoadedModel, tiny_model_dir: Path
 ) -> None:
@@ -66,14 +79,7 @@ def test_greedy_with_drafts_equals_transformers_and_drafts_are_accepted(
     drafting = ModelRunner(loaded, 64, 8, 256, SpeculationConfig("ngram", K))
     expected = reference.greedy(tiny_model_dir, prompt, 40)
     assert _decode(plain, prompt, Sampling(0.0), 40) == expected
-    steps: list[StepResult] = []
-    original = drafting.step
-
-    def counting(plan: StepPlan) -> StepResult:
-        steps.append(original(plan))
-        return steps[-1]
-
-    drafting.step = counting  # type: ignore[method-assign]
+    steps = _record_steps(drafting)
     assert _decode(drafting, prompt, Sampling(0.0), 40) == expected
     assert sum(s.num_draft_tokens for s in steps) > 0
     assert sum(s.num_accepted_tokens for s in steps) > 0
@@ -115,14 +121,7 @@ def test_a_draft_model_changes_no_token(
     runner = ModelRunner(loaded, 64, 8, 256, spec, draft=draft, draft_shares_kv=which == "shared")
     assert runner.draft is not None
     assert (runner.draft.kv_pool is runner.kv_pool) == (which == "shared")
-    steps: list[StepResult] = []
-    original = runner.step
-
-    def counting(plan: StepPlan) -> StepResult:
-        steps.append(original(plan))
-        return steps[-1]
-
-    runner.step = counting  # type: ignore[method-assign]
+    steps = _record_steps(runner)
     assert _decode(runner, prompt, Sampling(0.0), 40) == reference.greedy(
         tiny_model_dir, prompt, 40
     )
