@@ -11,7 +11,13 @@ reading the weights and hides the extra rows; a big one pays for each).
 
 The two figures come apart, and each is learned where it lives:
 - step times depend on the batch, the worker and the drafter, not on the text: measured per
-  batch size (in powers of two), as moving averages;
+  batch size (in powers of two), each arm's cost the quickest of its last ``TIME_WINDOW``
+  steps. A shared host only ever adds time to a step (a neighbour, a collection, the edge
+  services on the same cores), so the quickest recent step is the arm's cost, and one slow
+  step (CI once measured a drafting step at 6x a plain one, after which a moving average
+  kept a paragraph-repeating stream from drafting for the rest of its answer) costs nothing
+  once a normal one follows. A drafting step whose drafter proposed nothing is no
+  measurement of drafts: it costs what a plain step costs;
 - how many drafts hold depends on the text: each sequence keeps its own moving average of
   the drafts accepted per drafting step (``DraftRecord``). One never measured counts as if
   ``PRIOR_SHARE`` of its drafts held, so a new request gets a few drafting steps to show
@@ -20,23 +26,25 @@ The two figures come apart, and each is learned where it lives:
 
 Each step takes the better arm for its batch size. Both step times are first measured
 (without drafts first); then, after ``EXPLORE_EVERY`` steps, the arm that looks worse is
-tried for a few steps (which also refreshes every sequence's record), and after twice as
-many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``); drafts are not tried
-again where they could not pay even if every one held (a draft model's drafting step in a
-batch of 16 costs a dozen plain ones: one try would cost more than it could ever win), once
-``MIN_MEASURED`` drafting steps there have said so: one slow step alone does not.
-Drafts are not tried at a batch size when the batch's expected acceptance is below a smaller
-size's break-even (a bigger batch's break-even is higher), nor, above ``FREE_TRY_SIZE``, before
-the next smaller size has shown that they pay: a busy server that starts at 16 sequences and
-drains through 8, 4 and 2 would otherwise pay a measuring try at each size, each costing
-several plain steps where a draft model runs. The first step after a switch is
-not measured: turning drafts on costs a draft model with a pool of its own its catch-up on
-every sequence, once, not per step. So drafts turn off as the batch grows past where they pay, and
-back on as it shrinks or as a request whose drafts hold arrives.
+tried until a step of it has been measured (with plans sent ahead, that step's result
+arrives a step or two after it was planned; the try refreshes every sequence's record too),
+and after twice as many each time it still looks worse (up to ``MAX_EXPLORE_EVERY``).
+Drafts are not tried again where they could not pay even if every one held (a draft model's
+drafting step in a batch of 16 costs a dozen plain ones: one try would cost more than it
+could ever win), once ``MIN_MEASURED`` drafting steps there have said so: one slow step
+alone does not. Drafts are not tried at a batch size when the batch's expected acceptance
+is below a smaller size's break-even (a bigger batch's break-even is higher), nor, above
+``FREE_TRY_SIZE``, before the next smaller size has shown that they pay: a busy server that
+starts at 16 sequences and drains through 8, 4 and 2 would otherwise pay a measuring try at
+each size, each costing several plain steps where a draft model runs. The first step after
+a switch is not measured: turning drafts on costs a draft model with a pool of its own its
+catch-up on every sequence, once, not per step. So drafts turn off as the batch grows past
+where they pay, and back on as it shrinks or as a request whose drafts hold arrives.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -46,8 +54,11 @@ log = get_logger(__name__)
 
 EXPLORE_EVERY = 16  # steps of a batch size before the arm that looks worse is tried again
 MAX_EXPLORE_EVERY = 512
-TRY_STEPS = 2  # steps in a row of a tried arm (the first, the switch, is not measured)
-TIME_DECAY = 0.7  # weight a step-time estimate keeps per new measurement
+TRY_STEPS = 2  # fewest steps in a row of a tried arm (the first, the switch, is not measured)
+# most steps of a try: its measured step's result comes back a pipeline depth after its plan,
+# or never where the batch changes size in between
+MAX_TRY_STEPS = 6
+TIME_WINDOW = 4  # an arm's cost: the quickest of its last this many measured steps
 # weight a sequence's acceptance keeps per drafting step: with drafts that hold 93% of the
 # time, one step in 14 accepts none, and a shorter memory took that one step for a change of
 # text and turned drafts off for the next EXPLORE_EVERY steps
@@ -76,20 +87,43 @@ class DraftRecord:
 
 @dataclass
 class _Bucket:
-    seconds: dict[bool, float] = field(default_factory=dict)  # drafts on/off -> step time
+    recent: dict[bool, deque[float]] = field(default_factory=dict)  # arm -> last step times
     steps: int = 0  # since the last try of the worse arm
     explore_every: int = EXPLORE_EVERY
-    trying: bool | None = None  # the arm being tried, for ``left`` more steps
+    trying: bool | None = None  # the arm being tried, for ``left`` more steps at least
     left: int = 0
+    tried: int = 0  # steps of the try so far
+    measured_before: int = 0  # the tried arm's measured steps when the try began
     last: bool | None = None  # the arm of the last measured step
     chosen: bool | None = None  # the arm the last plan took (logged at debug when it changes)
     measured: dict[bool, int] = field(default_factory=dict)  # steps measured per arm
     fastest: dict[bool, float] = field(default_factory=dict)  # quickest step per arm
     gave_up: bool = False  # drafts found unable to pay here (logged once)
 
+    @property
+    def seconds(self) -> dict[bool, float]:
+        """Each measured arm's step time: the quickest of its recent steps."""
+        return {arm: min(times) for arm, times in self.recent.items()}
+
+    def record(self, arm: bool, seconds: float) -> None:
+        self.recent.setdefault(arm, deque(maxlen=TIME_WINDOW)).append(seconds)
+        self.measured[arm] = self.measured.get(arm, 0) + 1
+        self.fastest[arm] = min(self.fastest.get(arm, seconds), seconds)
+
     def start_try(self, arm: bool) -> bool:
-        self.trying, self.left, self.steps = arm, TRY_STEPS - 1, 0
+        self.trying, self.left, self.steps, self.tried = arm, TRY_STEPS - 1, 0, 1
+        self.measured_before = self.measured.get(arm, 0)
         return arm
+
+    def try_goes_on(self) -> bool:
+        """Whether the try needs another step: fewer than TRY_STEPS so far, or none of its
+        steps measured yet (up to MAX_TRY_STEPS)."""
+        assert self.trying is not None
+        unmeasured = self.measured.get(self.trying, 0) == self.measured_before
+        if self.left > 0 or (unmeasured and self.tried < MAX_TRY_STEPS):
+            self.left, self.tried = max(self.left - 1, 0), self.tried + 1
+            return True
+        return False
 
     def judge_try(self, best: bool) -> None:
         """The try is over: retry sooner if the tried arm now looks best, later if not."""
@@ -102,7 +136,8 @@ class _Bucket:
     @property
     def break_even(self) -> float | None:
         """Accepted drafts per sequence and step at which drafting steps pay for themselves."""
-        on, off = self.seconds.get(True), self.seconds.get(False)
+        seconds = self.seconds
+        on, off = seconds.get(True), seconds.get(False)
         return None if on is None or off is None else on / off - 1
 
 
@@ -124,14 +159,9 @@ class SpeculationPolicy:
             return
         bucket = self._buckets.setdefault(num_decodes.bit_length(), _Bucket())
         switched, bucket.last = bucket.last is not None and bucket.last != drafted, drafted
-        if switched:
+        if switched or (drafted and drafts == 0):
             return  # a switch's cost (a draft model's catch-up) is not the arm's
-        old = bucket.seconds.get(drafted)
-        bucket.measured[drafted] = bucket.measured.get(drafted, 0) + 1
-        bucket.fastest[drafted] = min(bucket.fastest.get(drafted, seconds), seconds)
-        bucket.seconds[drafted] = (
-            seconds if old is None else old * TIME_DECAY + seconds * (1 - TIME_DECAY)
-        )
+        bucket.record(drafted, seconds)
 
     def drafts_for(self, num_decodes: int, records: Iterable[DraftRecord] = ()) -> int:
         """Draft tokens each decoding sequence may verify in a step of ``num_decodes``;
@@ -162,8 +192,7 @@ class SpeculationPolicy:
         bucket = self._buckets.setdefault(size, _Bucket())
         need = bucket.break_even
         if bucket.trying is not None:
-            if bucket.left > 0:
-                bucket.left -= 1
+            if bucket.try_goes_on():
                 return bucket.trying
             bucket.judge_try(need is not None and expected > need)
         if bucket.seconds.get(False) is None:

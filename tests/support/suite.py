@@ -174,7 +174,7 @@ class Suite:
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
-            "CANTEEN_LOG_LEVEL": "INFO",
+            "CANTEEN_LOG_LEVEL": os.environ.get("CANTEEN_TEST_LOG_LEVEL", "INFO"),
             "TOKENIZERS_PARALLELISM": "false",
             **self.env,
         }

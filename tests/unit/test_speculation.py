@@ -268,8 +268,8 @@ def test_a_batch_drafts_by_its_sequences_average_acceptance() -> None:
     average) do not pay, and six among two do."""
     policy = SpeculationPolicy(K)
     policy.observe(8, False, 0.010, 0, 0)
-    policy.observe(8, True, 0.020, 0, 0)  # a switch: not measured
-    policy.observe(8, True, 0.020, 0, 0)
+    policy.observe(8, True, 0.020, 8 * K, 0)  # a switch: not measured
+    policy.observe(8, True, 0.020, 8 * K, 0)
     few = [DraftRecord(float(K))] * 2 + [DraftRecord(0.0)] * 6
     many = [DraftRecord(float(K))] * 6 + [DraftRecord(0.0)] * 2
     assert policy.drafts_for(8, few) == 0
@@ -286,8 +286,8 @@ def test_one_step_whose_drafts_all_miss_does_not_turn_drafts_off() -> None:
     fourteen at 93% acceptance, leaves it drafting; three in a row turn drafts off."""
     policy = SpeculationPolicy(6)
     policy.observe(1, False, 0.010, 0, 0)
-    policy.observe(1, True, 0.040, 0, 0)  # a switch: not measured
-    policy.observe(1, True, 0.040, 0, 0)
+    policy.observe(1, True, 0.040, 6, 0)  # a switch: not measured
+    policy.observe(1, True, 0.040, 6, 0)
     record = DraftRecord(5.0)
     record.observe(0)
     assert policy.drafts_for(1, [record]) == 6
@@ -303,8 +303,8 @@ def test_a_step_with_nothing_to_propose_does_not_turn_a_sequences_drafts_off() -
     draft held", and drafts stayed off until the rule's next try, 16 to 512 steps later.)"""
     sched = speculating()
     sched.speculation.observe(1, False, 0.010, 0, 0)  # plain steps measured: 10 ms
-    sched.speculation.observe(1, True, 0.012, 0, 0)  # a switch: not measured
-    sched.speculation.observe(1, True, 0.012, 0, 0)  # drafting: 12 ms, break-even 0.2
+    sched.speculation.observe(1, True, 0.012, K, 0)  # a switch: not measured
+    sched.speculation.observe(1, True, 0.012, K, 0)  # drafting: 12 ms, break-even 0.2
     worker = DraftingWorker(64, proposes=lambda step: step >= 5)
     seq = make_seq("a", prompt_len=5, max_tokens=40)
     sched.add(seq)
