@@ -65,6 +65,11 @@ bench: install
 	$(PY) bench/tracing.py
 	$(PY) bench/failover.py
 	$(PY) bench/overload.py
+	$(PY) bench/decode_step.py
+	$(PY) bench/speculative.py
+	$(PY) bench/constrained.py
+	$(PY) bench/mtls.py
+	$(PY) bench/grpc_hop.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
