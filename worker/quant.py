@@ -183,7 +183,9 @@ def can_pack(weight: torch.Tensor) -> bool:
 # threads, SmolLM2's four linear shapes times 30 layers, weights in cache): int4 1.7 / 8.7 /
 # 33 / 126 ms at 1 / 16 / 64 / 256 rows against 3.8 / 22 / 87 / 340 for torch's int4 kernel,
 # int8 1.5 / 8.4 / 33 / 123 against 3.2 / 25 / 95 / 376 for torch's int8 one. On the Zen 4 at
-# one row: 34-47 GB/s of 4-bit weights against 14-16 GB/s.
+# one row: 34-47 GB/s of 4-bit weights against 14-16 GB/s. Quantizing the activations with
+# AVX-512 (the same int8 values; 2026-12-05, three alternating runs against the scalar loop)
+# took int4 to 1.55-1.60 / 7.6-8.0 / 27-29 / 110-115 ms.
 QUANT_ROWS = 1 << 30
 
 

@@ -91,6 +91,24 @@ def test_a_zero_row_and_a_zero_group_give_exact_zeros_and_bias() -> None:
     torch.testing.assert_close(got[1].double(), want, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activations_round_half_to_even_as_torch_does(dtype: torch.dtype) -> None:
+    """8-bit identity weights (w = 1 * u - 128, u = 129 on the diagonal) hand back each
+    activation as the kernel rounded it. With max|x| = 127 the scale is 1, so the halves
+    land exactly between two int8 values and must round to even, as torch.round does (the
+    vectorized rounding and the scalar loop agree on every input)."""
+    k = 32
+    u = torch.full((k, k), 128, dtype=torch.uint8)
+    u.fill_diagonal_(129)
+    ones = torch.ones(k, k // GROUP_SIZE)
+    halves = [2.5, -2.5, 3.5, 0.5, -0.5, 1.5, -1.5, 4.5, -126.5, 126.5, 5.25, -5.75]
+    x = torch.tensor([127.0, *halves, *([0.0] * (k - 1 - len(halves)))]).to(dtype)
+    got = pack_groups(u, ones, -128 * ones, 8)(x.unsqueeze(0), None)[0]
+    assert got.dtype == dtype
+    assert got.float().tolist() == torch.round(x.float()).tolist()
+    assert got[1:5].float().tolist() == [2.0, -2.0, 4.0, 0.0]
+
+
 def test_quant_linear_refuses_what_it_cannot_compute() -> None:
     u, d, m = _weights(16, 64, 4, seed=6)
     packed = pack_groups(u, d, m, 4)

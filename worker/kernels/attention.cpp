@@ -46,17 +46,7 @@ inline void exp_scores(float* scores, int64_t group, int64_t len, float* total) 
 }
 
 #if defined(__AVX512F__)
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-template <>
-inline __m512 load16(const at::BFloat16* p) {  // bfloat16 is float32's upper half
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using canteen::load16;
 
 // decode_one for float32 or bfloat16 with D = 16 V: each key and value row is loaded once
 // for the G heads, and each head's dot product stays in V vector registers.

@@ -66,6 +66,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// 16 floats from float32 or bfloat16 (bfloat16 is float32's upper half).
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 // bfloat16 conversions of 16 floats at a time (round to nearest even, as c10::BFloat16).
 #if defined(__AVX512BF16__)
 inline __m256i bf16_round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
