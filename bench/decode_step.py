@@ -249,7 +249,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--configs", default=",".join(CONFIGS))
-    parser.add_argument("--agree-tokens", type=int, default=32)
+    parser.add_argument("--agree-tokens", type=int, default=32, help="0: skip the agreement")
     parser.add_argument("--agree-alone", type=int, default=8, help="prompts also decoded alone")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
@@ -274,7 +274,8 @@ def main() -> None:
         s.flops = matmul_flops(s.loaded.dtype, s.loaded.quantization, shape)
         print(f"  {s.name:28s} linear kernel {s.flops / 1e9:6.0f} GFLOP/s at 256 rows")
     all_prompts = prompts(path, max(batches) * (args.rounds + 1))
-    agreement(setups, all_prompts[: max(batches)], args.agree_tokens, args.agree_alone)
+    if args.agree_tokens > 0:
+        agreement(setups, all_prompts[: max(batches)], args.agree_tokens, args.agree_alone)
     print("\nms per decode step (min, median of --steps), rounds in the order they ran:")
     for batch in batches:
         # A shared machine's bandwidth dips when a neighbour reads memory; a dip would lower
