@@ -90,8 +90,7 @@ class _Bucket:
     recent: dict[bool, deque[float]] = field(default_factory=dict)  # arm -> last step times
     steps: int = 0  # since the last try of the worse arm
     explore_every: int = EXPLORE_EVERY
-    trying: bool | None = None  # the arm being tried, for ``left`` more steps at least
-    left: int = 0
+    trying: bool | None = None  # the arm being tried
     tried: int = 0  # steps of the try so far
     measured_before: int = 0  # the tried arm's measured steps when the try began
     last: bool | None = None  # the arm of the last measured step
@@ -111,7 +110,7 @@ class _Bucket:
         self.fastest[arm] = min(self.fastest.get(arm, seconds), seconds)
 
     def start_try(self, arm: bool) -> bool:
-        self.trying, self.left, self.steps, self.tried = arm, TRY_STEPS - 1, 0, 1
+        self.trying, self.steps, self.tried = arm, 0, 1
         self.measured_before = self.measured.get(arm, 0)
         return arm
 
@@ -120,8 +119,8 @@ class _Bucket:
         steps measured yet (up to MAX_TRY_STEPS)."""
         assert self.trying is not None
         unmeasured = self.measured.get(self.trying, 0) == self.measured_before
-        if self.left > 0 or (unmeasured and self.tried < MAX_TRY_STEPS):
-            self.left, self.tried = max(self.left - 1, 0), self.tried + 1
+        if self.tried < TRY_STEPS or (unmeasured and self.tried < MAX_TRY_STEPS):
+            self.tried += 1
             return True
         return False
 
