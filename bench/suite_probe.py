@@ -10,6 +10,8 @@ scheduler's step histograms before and after each run. Prints one JSON line per 
     wall_ms       the run's wall time over its decode steps
     prefill_*     steps that computed prompt tokens: how many, and the worker's seconds
     cpu_s         CPU seconds each process used during the run
+    thread_us     per process, each thread's CPU microseconds per generated token (threads
+                  under 1 µs left out), keyed ``name:tid`` (``main``: the first thread)
 
 Usage: python bench/suite_probe.py [--streams 1,16] [--tokens 64] [--rounds 2]
 """
@@ -50,6 +52,25 @@ def histogram(url: str, name: str) -> dict[str, float]:
     return out
 
 
+def thread_seconds(stack: Stack) -> dict[str, dict[str, float]]:
+    """Each service's threads and their CPU seconds, keyed ``name:tid``: ``main`` for the
+    process's first thread (the asyncio loop of the scheduler and gateway, the worker's
+    forward), else the name in /proc (grpc's ``event_engine``; Python threads are ``python``)."""
+    out: dict[str, dict[str, float]] = {}
+    for name in ("scheduler", "worker", "gateway"):
+        process = psutil.Process(getattr(stack, name).process.pid)
+        threads: dict[str, float] = {}
+        for t in process.threads():
+            comm = Path(f"/proc/{process.pid}/task/{t.id}/comm")
+            try:
+                label = "main" if t.id == process.pid else comm.read_text().strip()
+            except OSError:  # the thread ended
+                continue
+            threads[f"{label}:{t.id}"] = t.user_time + t.system_time
+        out[name] = threads
+    return out
+
+
 def cpu_seconds(stack: Stack) -> dict[str, float]:
     services = {
         "registry": stack.registry,
@@ -65,11 +86,13 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
 def probe(stack: Stack, client: NicedClient, streams: int, tokens: int, tag: str) -> dict:
     urls = (stack.worker.metrics_url, stack.scheduler.metrics_url)
     before = [histogram(u, n) for u, n in zip(urls, (WORKER, SCHEDULER), strict=True)]
+    threads_before = thread_seconds(stack)
     cpu, started = cpu_seconds(stack), time.perf_counter()
     tps = client.run(stack.gateway.address, questions(streams, tag), tokens)
     wall = time.perf_counter() - started
     after = [histogram(u, n) for u, n in zip(urls, (WORKER, SCHEDULER), strict=True)]
     used = cpu_seconds(stack)
+    threads_after = thread_seconds(stack)
     (w0, s0), (w1, s1) = before, after
     steps = max(w1["decode_count"] - w0["decode_count"], 1)
     seen = max(s1["decode_count"] - s0["decode_count"], 1)
@@ -84,7 +107,21 @@ def probe(stack: Stack, client: NicedClient, streams: int, tokens: int, tag: str
         "prefill_s": round(w1["prefill_sum"] - w0["prefill_sum"], 3),
         "wall_s": round(wall, 3),
         "cpu_s": {k: round(used[k] - cpu[k], 2) for k in used},
+        "thread_us": per_token(threads_before, threads_after, streams * tokens),
     }
+
+
+def per_token(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], tokens: int
+) -> dict[str, dict[str, int]]:
+    """CPU microseconds per token of each thread that used at least 1 µs a token, busiest
+    first. Linux counts thread CPU in 10 ms ticks: run enough tokens for them to resolve."""
+    out = {}
+    for service, threads in after.items():
+        used = {t: 1e6 * (s - before[service].get(t, 0.0)) / tokens for t, s in threads.items()}
+        busiest = sorted(used.items(), key=lambda item: -item[1])
+        out[service] = {t: round(us) for t, us in busiest if us >= 1}
+    return out
 
 
 @contextlib.contextmanager
