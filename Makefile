@@ -44,7 +44,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	$(BIN)/mypy canteen scheduler registry gateway worker
+	$(BIN)/mypy canteen scheduler registry gateway worker tests
 
 unit: install
 	$(PY) -m pytest tests/unit -q

@@ -69,7 +69,7 @@ def _prompts() -> dict[str, list[int]]:
 @cache
 def _transformers(dtype: torch.dtype) -> dict[str, list[int]]:
     path = _path()
-    model = AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(  # type: ignore[no-untyped-call]
         str(path.parent), gguf_file=path.name, dtype=dtype
     ).eval()
     out = {}

@@ -57,7 +57,7 @@ with _instrumented():
     from gateway.openai_api import MAX_N, parse_request
     from gateway.service import GenerateInput, InferenceService
     from gateway.tokenizers import TemplateError, Tokenizer
-    from gateway.tools import ROLES
+    from gateway.tools import ROLES, ChatMessage
 
 from tests.support.hostile import FIELDS  # noqa: E402  (after the path setup above)
 
@@ -151,7 +151,7 @@ def tokenizer() -> Tokenizer:
     return _TOKENIZER[0]
 
 
-def check_tokenizer(messages: list[dict[str, str]], prompt: str, ids: list[int]) -> None:
+def check_tokenizer(messages: list[ChatMessage], prompt: str, ids: list[int]) -> None:
     tok = tokenizer()
     renders: list[Callable[[], list[int]]] = [
         lambda: tok.render_chat(messages),
@@ -298,7 +298,7 @@ def fuzz_parse_request(data: bytes) -> None:
 def fuzz_check_shape(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     has_prompt = fdp.ConsumeBool()
-    messages = [
+    messages: list[ChatMessage] = [
         {"role": str(fdp.PickValueInList([*ROLES, "wizard", ""])), "content": _text(fdp, 64)}
         for _ in range(fdp.ConsumeIntInRange(0, 300 if fdp.ConsumeIntInRange(0, 20) == 0 else 4))
     ]
@@ -324,7 +324,7 @@ def fuzz_check_shape(data: bytes) -> None:
 
 def fuzz_tokenizer(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
-    messages = [
+    messages: list[ChatMessage] = [
         {
             "role": str(fdp.PickValueInList(list(ROLES))) if fdp.ConsumeBool() else _text(fdp, 12),
             "content": _text(fdp, 80),

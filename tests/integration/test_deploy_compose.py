@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml  # type: ignore[import-untyped]  # PyYAML, via transformers and kubernetes-validate
+import yaml  # PyYAML, via transformers and kubernetes-validate
 
 from tests.support.deploy import (
     COMPOSE_FILE,
@@ -205,7 +205,8 @@ def test_compose_containers_are_locked_down(full_config: dict[str, Any]) -> None
 
 
 def certs_mount(svc: dict[str, Any]) -> dict[str, Any]:
-    (mount,) = [v for v in svc.get("volumes", []) if v["source"] == "certs"]
+    mounts: list[dict[str, Any]] = [v for v in svc.get("volumes", []) if v["source"] == "certs"]
+    (mount,) = mounts
     return mount
 
 

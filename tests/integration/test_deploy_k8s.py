@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml  # type: ignore[import-untyped]  # PyYAML, via transformers and kubernetes-validate
+import yaml  # PyYAML, via transformers and kubernetes-validate
 
 from tests.support.deploy import (
     CANTEEN_METRICS,

@@ -12,7 +12,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import yaml  # type: ignore[import-untyped]  # PyYAML, via transformers and kubernetes-validate
+import yaml  # PyYAML, via transformers and kubernetes-validate
 
 from tests.support.deploy import (
     CERT_MANAGER,

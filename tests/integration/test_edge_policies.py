@@ -23,7 +23,7 @@ PROMPT = "Once upon a time"
 @pytest.fixture(scope="module")
 def cut_phrase(suite: TinySuite) -> str:
     """A piece from the middle of the greedy answer: the screen will cut the stream there."""
-    reply = suite.inference.Complete(
+    reply: inference_pb2.CompleteResponse = suite.inference.Complete(
         inference_pb2.GenerateRequest(prompt=PROMPT, max_tokens=30, temperature=0), timeout=60
     )
     phrase = reply.text[12:18]

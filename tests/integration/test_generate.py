@@ -105,9 +105,9 @@ def test_chat_messages_use_the_chat_template(suite: TinySuite, tiny_model_dir: P
     req = inference_pb2.GenerateRequest(max_tokens=8, temperature=0, ignore_eos=True)
     for m in messages:
         req.messages.messages.add(role=m["role"], content=m["content"])
-    text = tok.apply_chat_template(
+    text = tok.apply_chat_template(  # type: ignore[attr-defined]
         messages,
-        tokenize=False,  # type: ignore[attr-defined]
+        tokenize=False,
         add_generation_prompt=True,
     )
     ids = tok(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]

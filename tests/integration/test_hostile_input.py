@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 from canteen.server import MAX_MESSAGE_BYTES
 from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2
 from gateway.config import GatewayConfig
+from gateway.tools import ROLES
 from tests.integration.conftest import NUM_KV_BLOCKS, TinySuite
 from tests.support.hostile import (
     HTTP_PATHS,
     INT32,
-    ROLES,
     SETTINGS,
     _call,
     _check_grpc,

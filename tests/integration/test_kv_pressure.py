@@ -54,7 +54,9 @@ async def _run_all(address: str) -> list[tuple[list[int], inference_pb2.Generate
 
 
 def _stats(suite: TinySuite) -> scheduler_pb2.WorkerStats:
-    stats = suite.scheduler_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    stats: scheduler_pb2.GetStatsResponse = suite.scheduler_stub.GetStats(
+        scheduler_pb2.GetStatsRequest(), timeout=5
+    )
     (worker,) = stats.workers
     return worker
 
@@ -73,8 +75,9 @@ def test_five_times_the_pool_all_complete_exactly_and_every_block_comes_back(
     suite = small_suite
     tok = reference.tokenizer(tiny_model_dir)
     prompt_ids = [
-        tok(_prompt(i), add_special_tokens=False)["input_ids"] for i in range(NUM_REQUESTS)
-    ]  # type: ignore[operator]
+        tok(_prompt(i), add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+        for i in range(NUM_REQUESTS)
+    ]
     demand = sum(-(-(len(p) + MAX_TOKENS) // BLOCK_SIZE) for p in prompt_ids)
     assert demand >= 5 * NUM_KV_BLOCKS
     before = _stats(suite)

@@ -21,7 +21,9 @@ from tests.support.suite import Suite, wait_serving
 
 
 def _stats(suite: TinySuite) -> scheduler_pb2.WorkerStats:
-    stats = suite.scheduler_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+    stats: scheduler_pb2.GetStatsResponse = suite.scheduler_stub.GetStats(
+        scheduler_pb2.GetStatsRequest(), timeout=10
+    )
     (worker,) = stats.workers
     return worker
 

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from canteen.v1 import inference_pb2, scheduler_pb2
 from tests.integration.conftest import NUM_KV_BLOCKS, TinySuite
 from tests.support import reference
 
-HELLO = [{"role": "user", "content": "Hello there"}]
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def client(suite: TinySuite) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{suite.gateway.http_url}/v1", api_key="unused", max_retries=0)
 
 
-def _chat_ids(tiny_model_dir: Path, messages: list[dict[str, str]]) -> list[int]:
+def _chat_ids(tiny_model_dir: Path, messages: Sequence[Mapping[str, object]]) -> list[int]:
     tok = reference.tokenizer(tiny_model_dir)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # type: ignore[attr-defined]
     return list(tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
@@ -66,7 +68,7 @@ def test_streamed_chat_joins_to_the_same_answer_and_reports_usage(client: openai
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finishes[-1] == whole.choices[0].finish_reason and all(f is None for f in finishes[:-1])
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
 def test_completions_with_n_2_give_two_seeded_choices(client: openai.OpenAI) -> None:
@@ -175,7 +177,7 @@ def test_bad_requests_get_openai_errors(
 
 
 def test_unsupported_features_are_refused_not_ignored(client: openai.OpenAI) -> None:
-    chat = [{"role": "user", "content": "Hi"}]
+    chat: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
     with pytest.raises(openai.BadRequestError, match="logit_bias="):
         client.chat.completions.create(model="tiny", messages=chat, logit_bias={"1": 5})
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

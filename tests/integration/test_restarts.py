@@ -58,7 +58,7 @@ def _serving(address: str, service: str) -> bool:
             )
         except grpc.RpcError:
             return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def _kill(svc: Service) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -46,7 +47,7 @@ class Spec:
             )
         return {w.worker_id: w for w in reply.workers}
 
-    def complete(self, prompt: str, max_tokens: int, **fields: object) -> list[int]:
+    def complete(self, prompt: str, max_tokens: int, **fields: Any) -> list[int]:
         request = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **fields)
         with grpc.insecure_channel(self.gateway.address) as channel:
             reply = inference_pb2_grpc.InferenceStub(channel).Complete(request, timeout=120)

@@ -67,7 +67,8 @@ def _generate(suite: TinySuite, prompt: str, max_tokens: int = 4) -> inference_p
     request = inference_pb2.GenerateRequest(
         prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
     )
-    return suite.inference.Complete(request, timeout=60)
+    reply: inference_pb2.CompleteResponse = suite.inference.Complete(request, timeout=60)
+    return reply
 
 
 def _steps(suite: TinySuite) -> dict[str, int]:
@@ -184,7 +185,10 @@ WIDE_POOL = 160 * 2**20  # the pool the second worker's fraction aims at
 
 def _info(worker: Service) -> worker_pb2.WorkerInfo:
     with grpc.insecure_channel(worker.address) as channel:
-        return worker_pb2_grpc.WorkerStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+        info: worker_pb2.WorkerInfo = worker_pb2_grpc.WorkerStub(channel).GetInfo(
+            worker_pb2.GetInfoRequest()
+        )
+        return info
 
 
 def _peak_rss(pid: int) -> int:

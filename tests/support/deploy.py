@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml  # type: ignore[import-untyped]  # PyYAML, via transformers and kubernetes-validate
+import yaml  # PyYAML, via transformers and kubernetes-validate
 
 from gateway.config import GatewayConfig
 from registry.config import RegistryConfig
@@ -178,12 +178,12 @@ def module_of(svc: dict[str, Any]) -> str:
 
 def dockerfile_arg(name: str) -> str:
     (value,) = re.findall(rf"^ARG {name}=(\S+)$", DOCKERFILE.read_text(), re.M)
-    return value
+    return str(value)
 
 
 def dockerfile_home() -> str:
     (home,) = re.findall(r"^ENV HOME=(\S+)$", DOCKERFILE.read_text(), re.M)
-    return home
+    return str(home)
 
 
 def dockerfile_uid() -> int:

@@ -66,7 +66,7 @@ def running_collector() -> Iterator[tuple[Collector, str]]:
     """A collector and its endpoint (``http://127.0.0.1:PORT``) until the block ends."""
     collector = Collector()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)  # type: ignore[no-untyped-call]
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()

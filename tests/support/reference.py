@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 @lru_cache(maxsize=2)
 def _load(path: str) -> tuple[object, object]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     return model, AutoTokenizer.from_pretrained(path)
 
 

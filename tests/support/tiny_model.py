@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -31,7 +32,7 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_CORPUS, trainer)
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         bos_token="<|im_start|>",
         eos_token="<|im_end|>",
@@ -45,7 +46,7 @@ def build_tiny_model(path: Path, seed: int = 0, max_len: int = 1024, **shape: in
     overrides the config's sizes (``hidden_size=512``, ``num_key_value_heads=8``, ...)."""
     tokenizer = build_tokenizer()
     torch.manual_seed(seed)
-    sizes = {
+    sizes: dict[str, Any] = {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,

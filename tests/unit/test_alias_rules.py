@@ -4,7 +4,8 @@ status codes its servicer gives for bad ones."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import cast
 
 import grpc
 import pytest
@@ -19,7 +20,7 @@ from registry.aliases import (
     InvalidAliasError,
     check_alias,
 )
-from registry.core import InvalidModelError, Registry
+from registry.core import InvalidModelError, ModelTable, Registry
 from registry.directory import WorkerDirectory
 from registry.server import RegistryServicer
 from registry.store import ModelRecord, ModelStore
@@ -76,7 +77,7 @@ def _registry() -> Registry:
 
 async def test_model_watchers_see_alias_changes() -> None:
     registry = _registry()
-    watch = registry.watch_models()
+    watch = cast(AsyncGenerator[ModelTable, None], registry.watch_models())
     first = await anext(watch)
     assert first.aliases == [] and [m.version for m in first.models] == ["v1", "v2"]
     canary = alias("smollm2", ("v1", 90), ("v2", 10))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from canteen.batching import BatchConfig
@@ -39,7 +41,7 @@ def test_blocks_for_rounds_up(num_tokens: int, blocks: int) -> None:
         ({"num_blocks": 4, "block_size": 0}, "block_size"),
     ],
 )
-def test_block_pool_rejects_empty_sizes(kwargs: dict[str, int], field: str) -> None:
+def test_block_pool_rejects_empty_sizes(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=f"{field}=0"):
         BlockPool(**kwargs)
 

@@ -47,7 +47,7 @@ def _build(path: Path, model_type: str, seed: int = 0) -> Path:
         **FAMILY_EXTRAS[model_type],
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     with torch.no_grad():
         model.lm_head.weight.mul_(40.0)  # sharp logits: greedy tokens depend on the prompt
         for name, param in model.named_parameters():
@@ -58,7 +58,7 @@ def _build(path: Path, model_type: str, seed: int = 0) -> Path:
 
 
 def _reference(path: Path, prompt: list[int], new: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
@@ -133,7 +133,7 @@ def test_decode_layers_in_one_op_equal_the_layer_by_layer_path(
     tokens: dict[bool, list[dict[str, list[int]]]] = {True: [], False: []}
     for use in (True, False):
         model.stack = stack if use else None
-        model.norm = lambda x, use=use: seen[use].append(x.clone()) or norm(x)  # type: ignore[assignment,func-returns-value]
+        model.norm = lambda x, use=use: seen[use].append(x.clone()) or norm(x)  # type: ignore[func-returns-value]
         for prompts in (PROMPTS, {"p2": PROMPTS["p2"]}):
             tokens[use].append(generate(runner, prompts, 6))
     model.stack, model.norm = stack, norm

@@ -6,6 +6,8 @@ tokens it reads back from its block table, so a block shared by mistake changes 
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +19,8 @@ from scheduler.sequence import Sequence
 
 BS = 4
 
-ONE_AT_A_TIME = {"max_step_stall": 0.0, "pipeline_depth": 1}  # the step semantics tested here
+# the step semantics tested here
+ONE_AT_A_TIME: dict[str, Any] = {"max_step_stall": 0.0, "pipeline_depth": 1}
 
 
 def next_token(context: list[int]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -65,9 +66,8 @@ def loaded(tiny_model_dir: Path) -> LoadedModel:
 def _new(
     seq_id: str, ids: list[int], blocks: list[int], cached: int = 0, **sampling: float
 ) -> NewSequence:
-    return NewSequence(
-        seq_id, tuple(ids), Sampling(**{"temperature": 0.0, **sampling}), tuple(blocks), cached
-    )  # type: ignore[arg-type]
+    fields: dict[str, Any] = {"temperature": 0.0, **sampling}
+    return NewSequence(seq_id, tuple(ids), Sampling(**fields), tuple(blocks), cached)
 
 
 def _run(runner: ModelRunner, seq_id: str, first: int, steps: int) -> list[int]:

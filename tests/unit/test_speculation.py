@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 from hypothesis import given, settings
@@ -39,7 +40,7 @@ class DraftingWorker(FakeWorker):
     def __init__(
         self,
         num_blocks: int,
-        hits: st.DrawFn | None = None,
+        hits: Callable[[int], int] | None = None,
         proposes: Callable[[int], bool] = lambda step: True,
     ) -> None:
         super().__init__(num_blocks)
@@ -121,7 +122,7 @@ def test_the_plan_after_one_that_verifies_drafts_is_sent_before_it_returns() -> 
     blocks and its drafts' room cover them), so the worker never waits for a round trip,
     and the output is exact whether the drafts hold or not."""
     for hits in (K, 0, 2):
-        sched, worker = speculating(), DraftingWorker(64, hits=lambda k, h=hits: min(h, k))
+        sched, worker = speculating(), DraftingWorker(64, hits=partial(min, hits))
         seq = make_seq("a", prompt_len=5, max_tokens=30)
         sched.add(seq)
         sent: deque[StepPlan] = deque()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from gateway.text import IncrementalDetokenizer, StopMatcher
+from gateway.text import Decoder, IncrementalDetokenizer, StopMatcher
 from tests.support.tiny_model import build_tokenizer
 
 MIXED = "Once upon a time, 你好，世界 and 🍜🥟 in Paris! 测试中文 🍣 The end."
@@ -17,7 +19,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 
 def stream(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> list[str]:
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(cast(Decoder, tokenizer))
     deltas = [detok.push([i]) for i in ids]
     return [*deltas, detok.flush()]
 
@@ -56,14 +58,14 @@ def test_pushing_several_ids_at_once_gives_the_same_text(
     tokenizer: PreTrainedTokenizerFast,
 ) -> None:
     ids = tokenizer.encode(MIXED, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(cast(Decoder, tokenizer))
     text = "".join(detok.push(ids[i : i + 3]) for i in range(0, len(ids), 3)) + detok.flush()
     assert text == MIXED
 
 
 def test_flush_releases_a_trailing_broken_character(tokenizer: PreTrainedTokenizerFast) -> None:
     ids = tokenizer.encode("ok 🍜", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = IncrementalDetokenizer(cast(Decoder, tokenizer))
     held = [detok.push([i]) for i in ids[:-1]]
     tail = detok.flush()
     assert "".join(held) + tail == tokenizer.decode(ids[:-1])
@@ -115,7 +117,7 @@ def test_a_long_stop_that_starts_first_beats_a_short_one_inside_it() -> None:
 def test_detokenized_stream_stops_at_a_stop_string(tokenizer: PreTrainedTokenizerFast) -> None:
     text = "你好，世界 STOP 🍜🥟 never shown"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok, stops = IncrementalDetokenizer(tokenizer), StopMatcher(["STOP"])
+    detok, stops = IncrementalDetokenizer(cast(Decoder, tokenizer)), StopMatcher(["STOP"])
     out = ""
     for i in ids:
         out += stops.push(detok.push([i]))

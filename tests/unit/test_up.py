@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,8 +36,9 @@ def test_exits_spread_over_more_than_two_minutes_keep_being_restarted() -> None:
     ("field", "value"), [("first_delay", 0), ("max_exits", 0), ("window", -1), ("max_delay", 0.5)]
 )
 def test_a_bad_policy_names_the_field(field: str, value: float) -> None:
+    kwargs: dict[str, Any] = {field: value}
     with pytest.raises(ValueError, match=field):
-        RestartPolicy(**{field: value})
+        RestartPolicy(**kwargs)
 
 
 def test_exits_are_described_by_code_or_signal() -> None:
