@@ -66,6 +66,7 @@ bench: install
 	$(PY) bench/failover.py
 	$(PY) bench/overload.py
 	$(PY) bench/decode_step.py
+	$(PY) bench/linears.py
 	$(PY) bench/speculative.py
 	$(PY) bench/constrained.py
 	$(PY) bench/mtls.py

@@ -1,7 +1,9 @@
 """Linear layers prepared once at load for the device's matmul kernel.
 
     none  dense weights in the model's dtype: on CPU prepacked for oneDNN with rows padded to
-          a bounded set of buckets (PackedLinear); on CUDA, and float16, ``F.linear``.
+          a bounded set of buckets (PackedLinear); on CUDA, and float16, ``F.linear``. On
+          CPU, the rows of a decode step go through Canteen's skinny_linear instead
+          (bfloat16 and float32), from a second copy of the weights in its own layout.
     int8  one int8 per weight, one scale per output row: ``torch._weight_int8pack_mm``.
     int4  4-bit weights in groups of 32 along the input, each group with a scale and a zero
           point: ``aten._weight_int4pack_mm_for_cpu``. Its dequantized weight is
@@ -61,18 +63,6 @@ def q4_from_float(weight: torch.Tensor) -> Q4Groups:
     return Q4Groups(q.to(torch.uint8).view(n, k), d, low)
 
 
-class DenseLinear:
-    """``F.linear`` on the weight as loaded: CUDA, and any dtype oneDNN cannot prepack on
-    this CPU."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.weight = weight.contiguous()
-        self.bias = bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
 # Row counts oneDNN ever sees: a oneDNN matmul builds (JIT-compiles) a kernel per input
 # shape, ~5 ms and ~0.6 MiB each, kept in a cache of 1,024. Unbounded shapes grew the worker's
 # RSS past its budget under load and stalled steps whenever a new batch size appeared; padding
@@ -97,11 +87,18 @@ SKINNY_ROWS = 12
 # 12 for 24-32, against oneDNN's 12.4-12.8 and 15.1, and against 19 (8 rows) and 43 (12 rows)
 # for the AVX512-BF16 dot products on that CPU.
 
+# float32 (dense_float.cpp, one fused multiply-add per weight and row, sums along K in
+# order): up to this many rows; oneDNN's GEMM from there on. MEASURED BELOW.
+SKINNY_ROWS_FLOAT = 64
+SKINNY_DTYPES = (torch.bfloat16, torch.float32)
 
-def skinny_rows(in_features: int) -> int:
-    """The most rows skinny_linear takes for inputs of ``in_features`` on this machine
-    (0 without Canteen's kernels)."""
-    return int(torch.ops.canteen.skinny_rows(in_features)) if kernels.available() else 0
+
+def skinny_rows(in_features: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The most rows skinny_linear takes for ``dtype`` inputs of ``in_features`` on this
+    machine (0 without Canteen's kernels)."""
+    if not kernels.available():
+        return 0
+    return int(torch.ops.canteen.skinny_rows(in_features, dtype == torch.float32))
 
 
 def row_bucket(rows: int) -> int:
@@ -113,15 +110,59 @@ LANES = 16  # output rows per block of skinny_linear's and quant_linear's layout
 
 
 def pack_lanes(weight: torch.Tensor) -> torch.Tensor:
-    """skinny_linear's layout (worker/kernels/dense.cpp): [N, K] -> [ceil(N / 16),
-    ceil(K / 2), 16, 2], output rows in blocks of 16 lanes, each lane a pair of adjacent
-    weights of its row; zeros past N and K."""
+    """skinny_linear's layout (worker/kernels/dense.cpp, dense_float.cpp): [N, K] ->
+    [ceil(N / 16), ceil(K / p), 16, p], output rows in blocks of 16 lanes, each lane p
+    adjacent weights of its row (a pair of bfloat16, one float32); zeros past N and K."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, k % 2, 0, -n % LANES))
-    return padded.view(-1, LANES, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+    per = 1 if weight.dtype == torch.float32 else 2
+    padded = F.pad(weight, (0, -k % per, 0, -n % LANES))
+    return padded.view(-1, LANES, -(-k // per), per).transpose(1, 2).contiguous()
 
 
-class PackedLinear:
+class _Skinny:
+    """Steps of a few rows read a CPU linear's weights through Canteen's own kernel
+    (worker/kernels/dense.cpp for bfloat16, dense_float.cpp for float32, up to
+    ``skinny_rows``), in a layout of its own kept beside the weight the other rows use."""
+
+    bias: torch.Tensor | None
+    out_features: int
+    lanes: torch.Tensor | None = None
+    skinny_rows = 0
+
+    def _keep_lanes(self, weight: torch.Tensor) -> None:
+        self.out_features = weight.shape[0]
+        if weight.device.type != "cpu" or weight.dtype not in SKINNY_DTYPES:
+            return
+        if not kernels.available():
+            return
+        self.lanes = pack_lanes(weight)
+        most = skinny_rows(weight.shape[1], weight.dtype)
+        self.skinny_rows = min(most, SKINNY_ROWS_FLOAT) if weight.dtype == torch.float32 else most
+
+    def _skinny(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.lanes is None or x.shape[0] > self.skinny_rows:
+            return None
+        out: torch.Tensor = torch.ops.canteen.skinny_linear(
+            x, self.lanes, self.out_features, self.bias
+        )
+        return out
+
+
+class DenseLinear(_Skinny):
+    """``F.linear`` on the weight as loaded: CUDA, float16, and bfloat16 where oneDNN cannot
+    prepack it on this CPU (AVX2 without AVX-512; decode rows through Canteen's kernel)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self._keep_lanes(self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        skinny = self._skinny(x)
+        return F.linear(x, self.weight, self.bias) if skinny is None else skinny
+
+
+class PackedLinear(_Skinny):
     """bfloat16 or float32 on CPU: the weight reordered once into oneDNN's blocked layout,
     rows padded to ROW_BUCKETS. Measured here (README, Speed): bfloat16 decode shapes 1.3-2x
     faster than ``F.linear``, float32 batch 16-32 about 2x faster than MKL's, and float32
@@ -134,22 +175,13 @@ class PackedLinear:
         # corrupts the heap).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.bias = bias
-        # bfloat16 steps of a few rows read the weights faster through Canteen's own kernel
-        # (worker/kernels/dense.cpp, up to skinny_rows), in a layout of its own: kept beside
-        # the packed copy.
-        self.out_features = weight.shape[0]
-        self.lanes = (
-            pack_lanes(weight) if weight.dtype == torch.bfloat16 and kernels.available() else None
-        )
-        self.skinny_rows = skinny_rows(self.in_features) if self.lanes is not None else 0
+        self._keep_lanes(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        skinny = self._skinny(x)
+        if skinny is not None:
+            return skinny
         rows, most = x.shape[0], ROW_BUCKETS[-1]
-        if rows <= self.skinny_rows and self.lanes is not None:
-            out: torch.Tensor = torch.ops.canteen.skinny_linear(
-                x, self.lanes, self.out_features, self.bias
-            )
-            return out
         if rows > most:
             return torch.cat([self(x[lo : lo + most]) for lo in range(0, rows, most)])
         bucket = row_bucket(rows)
@@ -295,7 +327,7 @@ def kernel_form(linear: Linear) -> tuple[list[torch.Tensor], int, int] | None:
     bias) tensors, its output features and the most rows its kernel takes; None where no
     kernel of Canteen's computes it."""
     none = torch.empty(0)
-    if isinstance(linear, PackedLinear) and linear.lanes is not None:
+    if isinstance(linear, _Skinny) and linear.lanes is not None:
         bias = none if linear.bias is None else linear.bias
         return [linear.lanes, none, bias], linear.out_features, linear.skinny_rows
     if isinstance(linear, _LowBitLinear) and linear.packed is not None:

@@ -108,20 +108,28 @@ def test_quantization_flags_are_checked_where_they_are_read() -> None:
     assert WorkerConfig(quantization="int4").dtype == "auto"
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize(
+    ("quantization", "dtype"),
+    [
+        ("none", torch.bfloat16),
+        ("none", torch.float32),
+        ("int8", torch.bfloat16),
+        ("int4", torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "granite"])
 def test_decode_layers_in_one_op_equal_the_layer_by_layer_path(
-    model_type: str, quantization: str, tmp_path: Path
+    model_type: str, quantization: str, dtype: torch.dtype, tmp_path: Path
 ) -> None:
     """canteen::decode_layers (worker/kernels/stack.cpp) runs every layer's ops in one call:
     the hidden states before the head are the Layer loop's bit for bit, in decode steps of
-    one row and of four (bfloat16 through skinny_linear, int8 and int4 through
+    one row and of four (bfloat16 and float32 through skinny_linear, int8 and int4 through
     quant_linear; qwen2's biases, granite's residual multiplier)."""
     from worker.model import FastModel
 
     path = _build(tmp_path / model_type, model_type)
     loaded = load_model(
-        str(path), "safetensors", "", torch.device("cpu"), torch.bfloat16, False,
+        str(path), "safetensors", "", torch.device("cpu"), dtype, False,
         quantization=quantization,
     )  # fmt: skip
     model = loaded.forward

@@ -4,6 +4,7 @@ atheris run of each target in a subprocess (atheris is a dev dependency: missing
 from __future__ import annotations
 
 import importlib.util
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,10 @@ def test_a_temperature_check_shape_accepts_never_breaks_the_sampler() -> None:
 def test_fuzz_target_finds_nothing(target: str, tmp_path: Path) -> None:
     # atheris is a dev dependency: missing, it is a broken install, never a silent skip.
     assert HAS_ATHERIS, "atheris is not installed: pip install -e '.[dev]'"
+    # libFuzzer checks its peak RSS (getrusage), and Linux hands a child the peak of the
+    # process it was spawned from: this test process, which may have loaded a model. So the
+    # limit is libFuzzer's default 2 GiB of growth on top of that peak.
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
     proc = subprocess.run(
         [
             sys.executable,
@@ -125,6 +130,7 @@ def test_fuzz_target_finds_nothing(target: str, tmp_path: Path) -> None:
             f"-atheris_runs={RUNS[target]}",
             "-max_total_time=30",
             "-seed=1",
+            f"-rss_limit_mb={peak_mb + 2048}",
             f"-artifact_prefix={tmp_path}/",
         ],
         capture_output=True,

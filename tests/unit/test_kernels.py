@@ -176,6 +176,54 @@ def test_each_rows_outputs_are_its_own_whatever_the_batch() -> None:
         assert torch.equal(alone[0], batched[r])
 
 
+@pytest.mark.parametrize(
+    ("rows", "n", "k"),
+    [
+        (1, 864, 576),
+        (2, 200, 72),
+        (3, 7, 9),
+        (6, 333, 77),
+        (7, 50, 40),
+        (16, 3072, 64),
+        (64, 40, 1536),
+    ],
+)
+def test_float32_skinny_linear_is_the_float32_matmul(rows: int, n: int, k: int) -> None:
+    """float32 rows through dense_float.cpp: each output one fused multiply-add per weight,
+    along K in order, so within a few float32 roundings of the exact product (computed in
+    float64); N past whole blocks and register tiles, odd K, rows past one tile included."""
+    from worker.quant import PackedLinear, pack_lanes
+
+    torch.manual_seed(rows)
+    weight, bias, x = torch.randn(n, k) * 0.1, torch.randn(n), torch.randn(rows, k)
+    lanes = pack_lanes(weight)
+    assert lanes.shape == (-(-n // 16), k, 16, 1)
+    exact = x.double() @ weight.double().T
+    got = torch.ops.canteen.skinny_linear(x, lanes, n, bias)
+    # a sum of k products in float32: error at most ~k ulps of the terms' magnitude
+    bound = k * 2**-24 * (x.abs().double() @ weight.abs().double().T)
+    assert ((got.double() - (exact + bias.double())).abs() <= bound + 2**-23).all()
+    plain = torch.ops.canteen.skinny_linear(x, lanes, n, None)
+    assert ((plain.double() - exact).abs() <= bound).all()
+    layer = PackedLinear(weight, bias)
+    assert layer.skinny_rows == 64 and torch.equal(layer(x), got)  # the layer takes this path
+
+
+def test_float32_rows_get_the_same_bits_alone_or_batched() -> None:
+    """A float32 row's sums do not depend on the rows beside it (one row, one register tile
+    or several): a sequence decoded alone and in a batch of up to 64 gets the same logits."""
+    from worker.quant import pack_lanes
+
+    torch.manual_seed(5)
+    weight, x = torch.randn(100, 576), torch.randn(64, 576)
+    lanes = pack_lanes(weight)
+    for rows in (64, 13, 6, 2):
+        batched = torch.ops.canteen.skinny_linear(x[:rows], lanes, 100, None)
+        for r in (0, rows // 2, rows - 1):
+            alone = torch.ops.canteen.skinny_linear(x[r : r + 1], lanes, 100, None)
+            assert torch.equal(alone[0], batched[r])
+
+
 def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
     from worker.quant import pack_lanes
 
@@ -191,8 +239,14 @@ def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
     odd = pack_lanes(torch.randn(20, 40).bfloat16())  # K not a multiple of 32: never AMX
     with pytest.raises(RuntimeError, match="at most 12 rows of 40 features here, got 13"):
         torch.ops.canteen.skinny_linear(torch.randn(13, 40).bfloat16(), odd, 20, None)
-    with pytest.raises(RuntimeError, match="x bfloat16"):
-        torch.ops.canteen.skinny_linear(x.float(), lanes, 20, None)
+    with pytest.raises(RuntimeError, match="x bfloat16 or float32"):
+        torch.ops.canteen.skinny_linear(x.half(), lanes, 20, None)
+    with pytest.raises(RuntimeError, match=r"lanes float32 \[ceil\(N / 16\), K, 16, 1\]"):
+        torch.ops.canteen.skinny_linear(x.float(), lanes, 20, None)  # bfloat16's layout
+    with pytest.raises(RuntimeError, match="at most 64 rows of float32, got 65"):
+        torch.ops.canteen.skinny_linear(
+            torch.randn(65, 64), pack_lanes(torch.randn(20, 64)), 20, None
+        )
     with pytest.raises(RuntimeError, match="for x's K"):
         torch.ops.canteen.skinny_linear(torch.randn(2, 96).bfloat16(), lanes, 20, None)
     with pytest.raises(RuntimeError, match="for x's K"):
@@ -202,29 +256,32 @@ def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
     assert torch.ops.canteen.skinny_linear(x[:0], lanes, 20, None).shape == (0, 20)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     ("rows", "k"),
     [(1, 72), (5, 72), (12, 72), (1, 96), (16, 96), (17, 96), (32, 96)],  # K = 96: AMX tiles
 )
-def test_a_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(rows: int, k: int) -> None:
+def test_a_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(
+    rows: int, k: int, dtype: torch.dtype
+) -> None:
     """decode_layers lets the linears finish the ops after them: ``x + o_proj(a)`` and
     ``silu_mul(gate_up_proj(h))`` come out of skinny_linear with the bits of the separate
     ops. 80 gate outputs: 64 whose exp torch computes vectorized, 16 on its scalar tail, and
     an odd count of gate blocks (the up half starts mid-task)."""
     from worker.quant import pack_lanes, skinny_rows
 
-    if rows > skinny_rows(k):
+    if rows > skinny_rows(k, dtype):
         pytest.skip(f"{rows} rows of {k} need AMX; this CPU's kernel takes {skinny_rows(k)}")
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    gate_up = (torch.randn(160, k, generator=g) * 0.3).bfloat16()
-    bias = torch.randn(160, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    gate_up = (torch.randn(160, k, generator=g) * 0.3).to(dtype)
+    bias = torch.randn(160, generator=g).to(dtype)
     lanes = pack_lanes(gate_up)
     ops = torch.ops.canteen
     want = ops.silu_mul(ops.skinny_linear(x, lanes, 160, bias))
     got = ops.skinny_linear(x, lanes, 160, bias, None, True)
     assert got.shape == (rows, 80) and torch.equal(got, want)
-    residual = torch.randn(rows, 160, generator=g).bfloat16()
+    residual = torch.randn(rows, 160, generator=g).to(dtype)
     added = ops.skinny_linear(x, lanes, 160, bias, residual)
     assert torch.equal(added, residual + ops.skinny_linear(x, lanes, 160, bias))
 

@@ -1,5 +1,5 @@
-"""Canteen's C++ CPU kernels (canteen_ops.cpp, attention.cpp, dense.cpp, lowbit.cpp,
-stack.cpp, sampling.cpp), built with the machine's own compiler and loaded.
+"""Canteen's C++ CPU kernels (canteen_ops.cpp, attention.cpp, dense.cpp, dense_float.cpp,
+lowbit.cpp, stack.cpp, sampling.cpp), built with the machine's own compiler and loaded.
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
 ``skinny_linear``, ``quant_linear``, ``decode_layers``, ``greedy_pick``) replace many small ops
@@ -38,6 +38,7 @@ SOURCES = tuple(
         "canteen_ops.cpp",
         "attention.cpp",
         "dense.cpp",
+        "dense_float.cpp",
         "lowbit.cpp",
         "stack.cpp",
         "sampling.cpp",

@@ -1,5 +1,6 @@
 // canteen::skinny_linear: bfloat16 x @ w^T (+ bias) for the few rows of a decode step (one
 // row per sequence, or one sequence and the drafts it verifies), every weight read once.
+// float32 inputs go to dense_float.cpp's kernel, with a layout of their own.
 //
 // Layout (worker/quant.py, pack_lanes): output rows in blocks of 16, one 32-bit lane per row
 // holding a pair of adjacent weights, so one AVX512-BF16 dot product (vdpbf16ps) adds the
@@ -266,7 +267,8 @@ bool amx_takes(int64_t, int64_t) { return false; }
 #endif
 
 // The most rows skinny_linear takes for an input of k features on this machine.
-int64_t skinny_rows(int64_t k) {
+int64_t skinny_rows(int64_t k, bool float32) {
+  if (float32) return canteen::skinny_rows_float();
 #if defined(CANTEEN_AMX)
   if (amx_takes(kAmxRows, k)) return kAmxRows;
 #endif
@@ -311,8 +313,10 @@ void lanes_linear(const std::vector<uint32_t>& xp, int64_t rows, int64_t pairs, 
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
                          bool gate) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "skinny_linear: x bfloat16 [M, K]");
-  TORCH_CHECK(x.size(0) <= skinny_rows(x.size(1)), "skinny_linear: at most ", skinny_rows(x.size(1)),
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "skinny_linear: x bfloat16 or float32 [M, K]");
+  if (x.scalar_type() == at::kFloat) return canteen::skinny_linear_float(x, lanes, n, bias, residual, gate);
+  TORCH_CHECK(x.size(0) <= skinny_rows(x.size(1), false), "skinny_linear: at most ", skinny_rows(x.size(1), false),
               " rows of ", x.size(1), " features here, got ", x.size(0));
   const int64_t rows = x.size(0), k = x.size(1), pairs = (k + 1) / 2, blocks = (n + kLanes - 1) / kLanes;
   TORCH_CHECK(lanes.scalar_type() == at::kBFloat16 &&
@@ -342,7 +346,7 @@ TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def(
       "skinny_linear(Tensor x, Tensor lanes, int n, Tensor? bias, Tensor? residual=None, "
       "bool gate=False) -> Tensor");
-  m.def("skinny_rows(int k) -> int", &skinny_rows);
+  m.def("skinny_rows(int k, bool float32=False) -> int", &skinny_rows);
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("skinny_linear", &skinny_linear); }
