@@ -91,6 +91,9 @@ SKINNY_ROWS = 12
 # order): up to this many rows; oneDNN's GEMM from there on. MEASURED BELOW.
 SKINNY_ROWS_FLOAT = 64
 SKINNY_DTYPES = (torch.bfloat16, torch.float32)
+# Where oneDNN cannot pack the weights (bfloat16 on AVX2), steps of up to this many rows go
+# through skinny_linear in pieces of skinny_rows rather than through F.linear.
+DENSE_CHUNKED_ROWS = 64
 
 
 def skinny_rows(in_features: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -159,7 +162,14 @@ class DenseLinear(_Skinny):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         skinny = self._skinny(x)
-        return F.linear(x, self.weight, self.bias) if skinny is None else skinny
+        if skinny is not None:
+            return skinny
+        most = self.skinny_rows
+        if most and x.shape[0] <= DENSE_CHUNKED_ROWS:
+            # torch's bfloat16 matmul without oneDNN is several times slower than the
+            # kernel taking the rows a few at a time (README, Speed): up to 64 rows.
+            return torch.cat([self(x[lo : lo + most]) for lo in range(0, x.shape[0], most)])
+        return F.linear(x, self.weight, self.bias)
 
 
 class PackedLinear(_Skinny):

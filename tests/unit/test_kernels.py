@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from worker import kernels
@@ -222,6 +223,26 @@ def test_float32_rows_get_the_same_bits_alone_or_batched() -> None:
         for r in (0, rows // 2, rows - 1):
             alone = torch.ops.canteen.skinny_linear(x[r : r + 1], lanes, 100, None)
             assert torch.equal(alone[0], batched[r])
+
+
+def test_bfloat16_without_onednn_takes_the_kernel_a_few_rows_at_a_time() -> None:
+    """Where oneDNN cannot pack bfloat16 (AVX2), DenseLinear sends steps of up to 64 rows
+    through skinny_linear in pieces: each row's outputs are still its own, and match the
+    matmul; past 64 rows F.linear takes over."""
+    from worker.quant import DENSE_CHUNKED_ROWS, DenseLinear
+
+    torch.manual_seed(6)
+    weight, bias = (torch.randn(200, 96) * 0.1).bfloat16(), torch.randn(200).bfloat16()
+    layer = DenseLinear(weight, bias)
+    assert layer.lanes is not None and 0 < layer.skinny_rows < DENSE_CHUNKED_ROWS
+    x = torch.randn(DENSE_CHUNKED_ROWS + 1, 96).bfloat16()
+    exact = x.float() @ weight.float().T + bias.float()
+    for rows in (layer.skinny_rows + 1, DENSE_CHUNKED_ROWS):
+        got = layer(x[:rows])
+        torch.testing.assert_close(got.float(), exact[:rows], atol=1e-2, rtol=2**-7)
+        for r in (0, rows - 1):
+            assert torch.equal(layer(x[r : r + 1])[0], got[r])
+    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=0, rtol=0)
 
 
 def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
