@@ -88,11 +88,10 @@ SKINNY_ROWS = 12
 # for the AVX512-BF16 dot products on that CPU.
 
 # float32 (dense_float.cpp, one fused multiply-add per weight and row, sums along K in
-# order): up to this many rows; oneDNN's GEMM from there on. Measured on an AMD EPYC with
-# AVX2 (2026-12-05, `python bench/linears.py`, a step's 121 linears from memory, median ms):
-# 18.0 / 25.3 / 37.4 / 59.5 / 106.4 at 1 / 8 / 16 / 32 / 64 rows against oneDNN's 24.5 /
-# 34.8 / 48.2 / 74.0 / 133.1.
-SKINNY_ROWS_FLOAT = 64
+# order): up to the 64 rows the kernel takes; oneDNN's GEMM from there on. Measured on an AMD
+# EPYC with AVX2 (2026-12-05, `python bench/linears.py`, a step's 121 linears from memory,
+# median ms): 18.0 / 25.3 / 37.4 / 59.5 / 106.4 at 1 / 8 / 16 / 32 / 64 rows against
+# oneDNN's 24.5 / 34.8 / 48.2 / 74.0 / 133.1.
 SKINNY_DTYPES = (torch.bfloat16, torch.float32)
 # Where oneDNN cannot pack the weights (bfloat16 on AVX2), steps of up to this many rows go
 # through skinny_linear in pieces of skinny_rows rather than through F.linear.
@@ -142,8 +141,7 @@ class _Skinny:
         if not kernels.available():
             return
         self.lanes = pack_lanes(weight)
-        most = skinny_rows(weight.shape[1], weight.dtype)
-        self.skinny_rows = min(most, SKINNY_ROWS_FLOAT) if weight.dtype == torch.float32 else most
+        self.skinny_rows = skinny_rows(weight.shape[1], weight.dtype)
 
     def _skinny(self, x: torch.Tensor) -> torch.Tensor | None:
         if self.lanes is None or x.shape[0] > self.skinny_rows:

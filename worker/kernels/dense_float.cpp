@@ -77,7 +77,7 @@ constexpr int kTileRows = 6;
 constexpr int blocks_for(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 #endif
 constexpr int kMostBlocks = 4;
-constexpr int64_t kMaxRows = 64;  // rows of x a call takes (worker/quant.py, SKINNY_ROWS_FLOAT)
+constexpr int64_t kMaxRows = 64;  // rows of x a call takes (worker/quant.py reads it: skinny_rows)
 
 using DotFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
 template <int Blocks, int... R>
