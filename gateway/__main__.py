@@ -163,6 +163,7 @@ async def serve(config: GatewayConfig, tls: Tls | None) -> None:
         await metrics_http[0].cleanup()
     for task in (watcher, health, preload):
         task.cancel()
+    await service.upstream.close()
     await channel.close()
 
 

@@ -47,6 +47,11 @@ class GatewayConfig(InternalLinkOptions):
         15.0,
         "seconds a request with no token yet is retried while the scheduler cannot be reached",
     )
+    scheduler_stream: str = option(
+        "shared",
+        "how tokens come from the scheduler: 'shared' (one stream for every request, one "
+        "message per step) or 'per-request' (each request's own stream)",
+    )
     public_tls_cert: str = option("", "certificate (PEM) of the public gRPC and HTTP ports")
     public_tls_key: str = option("", "private key (PEM) of --public-tls-cert")
     allow_unauthenticated: bool = option(
@@ -88,6 +93,12 @@ class GatewayConfig(InternalLinkOptions):
             "public_tls_cert",
             self.public_tls_cert,
             "--public-tls-cert and --public-tls-key go together",
+        )
+        require(
+            self.scheduler_stream in ("shared", "per-request"),
+            "scheduler_stream",
+            self.scheduler_stream,
+            "must be 'shared' or 'per-request'",
         )
         require(
             self.cache_isolation in ("shared", "key"),

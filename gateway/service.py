@@ -7,7 +7,6 @@ cancelling the request upstream so its blocks are freed at once.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
@@ -40,6 +39,7 @@ from gateway.tools import (
     check_role,
     parameters_constraint,
 )
+from gateway.upstream import SchedulerClient
 
 log = get_logger(__name__)
 tracer = get_tracer("canteen.gateway")
@@ -128,6 +128,8 @@ class InferenceService:
         self.catalog = catalog
         self.tokenizers = tokenizers
         self.scheduler = scheduler
+        shared = config.scheduler_stream == "shared"
+        self.upstream = SchedulerClient(scheduler, config.scheduler_retry, shared)
         self.screen = screen
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
 
@@ -367,7 +369,7 @@ class InferenceService:
         num_tokens = 0
         metadata = (("x-request-id", inp.request_id), *trace_metadata(span))
         try:
-            async for msg in self._schedule(request, timeout, metadata):
+            async for msg in self.upstream.stream(request, timeout, metadata):
                 num_tokens += len(msg.token_ids)
                 delta = _delta(msg, stops.push(detok.push(list(msg.token_ids))), model.ref)
                 if msg.finish_reason and not stops.is_stopped:
@@ -398,39 +400,6 @@ class InferenceService:
         finally:
             admitted.reservation.settle(len(ids) + num_tokens)
 
-    async def _schedule(
-        self,
-        request: scheduler_pb2.ScheduleRequest,
-        timeout: float | None,
-        metadata: tuple[tuple[str, str], ...],
-    ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
-        """The scheduler's stream for ``request``. Until its first message, a scheduler that
-        cannot be reached (restarting, draining) is retried with backoff for
-        ``--scheduler-retry`` seconds within the deadline, so a restart costs only delay; once
-        tokens have flowed, a failure ends the stream and nothing is sent twice."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self.config.scheduler_retry
-        deadline = loop.time() + timeout if timeout is not None else None
-        delay = 0.05
-        while True:
-            remaining = deadline - loop.time() if deadline is not None else None
-            call = self.scheduler.Generate(request, timeout=remaining, metadata=metadata)
-            received = False
-            try:
-                async for msg in call:
-                    received = True
-                    yield msg
-                return
-            except grpc.aio.AioRpcError as exc:
-                last_try = min(give_up, deadline or give_up) < loop.time() + delay
-                if received or last_try or not _unreachable(exc):
-                    raise
-                log.warning("scheduler unreachable; retrying", code=exc.code().name, delay=delay)
-            finally:
-                call.cancel()
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
 
 async def _with_tool_calls(
     deltas: AsyncIterator[TextDelta], split: ToolStream
@@ -445,15 +414,6 @@ async def _with_tool_calls(
             if delta.tool_calls and delta.finish_reason == "stop":
                 delta.finish_reason = "tool_calls"
         yield delta
-
-
-def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
-    """UNAVAILABLE from the transport or a draining server, or CANCELLED by a server that
-    was stopping as the call arrived; not the scheduler's own verdict (those carry
-    ``canteen-final`` in their trailers). The gateway's own cancel never lands here."""
-    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return False
-    return not any(key == "canteen-final" for key, _ in exc.trailing_metadata() or ())
 
 
 def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> TextDelta:

@@ -21,7 +21,7 @@ from scheduler.service import SchedulerService
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # Only the gateway submits work: behind it sit the keys, the rate limits and the screen.
-POLICY = Policy.of(Generate=["gateway"], GetStats=["gateway", "client"])
+POLICY = Policy.of(Generate=["gateway"], Subscribe=["gateway"], GetStats=["gateway", "client"])
 
 
 async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
@@ -29,6 +29,9 @@ async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
         SERVICE_NAME,
         f"{config.host}:{config.port}",
         config.grace,
+        # A gateway's shared token stream lives as long as the gateway: a drain waits for
+        # the Generate calls whose tokens ride on it, not for it.
+        untracked=(f"/{SERVICE_NAME}/Subscribe",),
         credentials=tls.server_credentials() if tls else None,
         policy=POLICY if tls else None,
         health_port=config.health_port,

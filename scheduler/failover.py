@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from canteen.logging import get_logger
 from scheduler.link import Orphans, WorkerLink
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.subscriptions import EventSink
 
 log = get_logger(__name__)
 
@@ -26,7 +27,7 @@ log = get_logger(__name__)
 @dataclass
 class Waiting:
     seq: Sequence
-    queue: asyncio.Queue[SeqEvent]
+    queue: EventSink
     model: str
     version: str
     lost_worker: str

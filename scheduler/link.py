@@ -23,13 +23,14 @@ from canteen.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.subscriptions import EventSink
 from scheduler.wire import plan_to_pb, result_from_pb
 
 log = get_logger(__name__)
 
 StepObserver = Callable[["WorkerDescription", StepPlan, float], None]
 # Sequences of a lost worker, each with the queue its caller reads, to run elsewhere.
-Orphans = list[tuple[Sequence, "asyncio.Queue[SeqEvent]"]]
+Orphans = list[tuple[Sequence, EventSink]]
 LossHandler = Callable[["WorkerLink", Orphans], None]
 
 
@@ -97,7 +98,7 @@ class WorkerLink:
             cache_salt=f"{desc.model}:{desc.version}",
         )
         self.core = BatchScheduler(pool, limits, desc.num_speculative_tokens)
-        self._queues: dict[str, asyncio.Queue[SeqEvent]] = {}
+        self._queues: dict[str, EventSink] = {}
         self._wake = asyncio.Event()
         self.is_up = True
         self.is_draining = False
@@ -106,13 +107,9 @@ class WorkerLink:
     def is_ready(self) -> bool:
         return self.is_up and not self.is_draining
 
-    def submit(self, seq: Sequence) -> asyncio.Queue[SeqEvent]:
-        queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
-        self.adopt(seq, queue)
-        return queue
-
-    def adopt(self, seq: Sequence, queue: asyncio.Queue[SeqEvent]) -> None:
-        """Queues ``seq`` here; its events go to ``queue`` (new, or moved from a lost worker)."""
+    def adopt(self, seq: Sequence, queue: EventSink) -> None:
+        """Queues ``seq`` here; its events go to ``queue`` (new, or moved from a lost worker):
+        the caller's own queue, or a subscription's sink."""
         seq.worker_id = self.desc.worker_id
         self._queues[seq.seq_id] = queue
         self.core.add(seq)

@@ -11,7 +11,7 @@ import structlog
 from canteen.codec import sampling_from_pb
 from canteen.tracing import context_from_metadata
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.sequence import Finish
+from scheduler.sequence import Finish, SeqEvent
 from scheduler.service import (
     GenerateParams,
     InvalidRequestError,
@@ -20,6 +20,7 @@ from scheduler.service import (
     SchedulerService,
     WorkerFailedError,
 )
+from scheduler.subscriptions import Subscription, SubscriptionError
 
 FINISH_TO_PB = {
     Finish.STOP: common_pb2.FINISH_REASON_STOP,
@@ -53,6 +54,30 @@ def params_from_pb(
     )
 
 
+def response_of(
+    event: SeqEvent, is_first: bool, stream_tag: int = 0
+) -> scheduler_pb2.ScheduleResponse:
+    seq = event.seq
+    response = scheduler_pb2.ScheduleResponse(
+        token_ids=event.token_ids, logprobs=event.logprobs, stream_tag=stream_tag
+    )
+    if seq.sampling.top_logprobs:
+        for top in event.top_logprobs:
+            response.top_logprobs.add(token_ids=[i for i, _ in top], logprobs=[lp for _, lp in top])
+    if is_first and seq.first_scheduled_time is not None:
+        response.queue_seconds = seq.first_scheduled_time - seq.arrival_time
+    if event.finish is not None:
+        response.finish_reason = FINISH_TO_PB[event.finish]
+        response.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=len(seq.prompt_ids),
+                completion_tokens=len(seq.output_ids),
+                cached_tokens=seq.num_cached_tokens,
+            )
+        )
+    return response
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, service: SchedulerService) -> None:
         self._service = service
@@ -62,35 +87,56 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         params = params_from_pb(request, context.time_remaining())
-        is_first = True
         try:
+            feed = self._feed(request)
             trace_context = context_from_metadata(context.invocation_metadata())
-            async for event in self._service.generate(params, trace_context):
-                seq = event.seq
-                response = scheduler_pb2.ScheduleResponse(
-                    token_ids=event.token_ids, logprobs=event.logprobs
-                )
-                if params.sampling.top_logprobs:
-                    for top in event.top_logprobs:
-                        response.top_logprobs.add(
-                            token_ids=[i for i, _ in top], logprobs=[lp for _, lp in top]
-                        )
-                if is_first and seq.first_scheduled_time is not None:
-                    response.queue_seconds = seq.first_scheduled_time - seq.arrival_time
-                    is_first = False
-                if event.finish is not None:
-                    response.finish_reason = FINISH_TO_PB[event.finish]
-                    response.usage.CopyFrom(
-                        common_pb2.Usage(
-                            prompt_tokens=len(seq.prompt_ids),
-                            completion_tokens=len(seq.output_ids),
-                            cached_tokens=seq.num_cached_tokens,
-                        )
+            events = self._service.generate(params, trace_context, feed)
+            if feed is not None:  # tokens and the final message go on the subscription
+                finish = None
+                async for event in events:
+                    finish = event.finish
+                if finish is Finish.CANCELLED and feed[0].is_closed:
+                    await context.abort(
+                        grpc.StatusCode.CANCELLED,
+                        f"subscription_id {feed[0].id!r} closed; the request was cancelled",
                     )
-                yield response
+                return
+            is_first = True
+            async for event in events:
+                yield response_of(event, is_first)
+                is_first = False
+        except SubscriptionError as exc:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                str(exc),
+                (("canteen-final", "1"), ("canteen-subscription", "refused")),
+            )
         except tuple(_ERRORS) as exc:
             # The scheduler's own verdict: the gateway does not retry it as if unreachable.
             await context.abort(_ERRORS[type(exc)], str(exc), (("canteen-final", "1"),))
+
+    def _feed(self, request: scheduler_pb2.ScheduleRequest) -> tuple[Subscription, int] | None:
+        if not request.subscription_id:
+            if request.stream_tag:
+                raise InvalidRequestError("stream_tag needs subscription_id")
+            return None
+        if not request.stream_tag:
+            raise InvalidRequestError("stream_tag is required with subscription_id")
+        return self._service.subscriptions.get(request.subscription_id), request.stream_tag
+
+    async def Subscribe(
+        self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.ScheduleBatch]:
+        subscription = self._service.subscriptions.open()
+        try:
+            yield scheduler_pb2.ScheduleBatch(subscription_id=subscription.id)
+            while True:
+                batch = await subscription.next_batch()
+                yield scheduler_pb2.ScheduleBatch(
+                    responses=[response_of(event, first, tag) for tag, event, first in batch]
+                )
+        finally:
+            self._service.subscriptions.close(subscription)
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -15,6 +15,7 @@ from scheduler.link import WorkerLink
 from scheduler.metrics import SchedulerMetrics
 from scheduler.router import WorkerPool, fits
 from scheduler.sequence import Finish, SeqEvent, Sequence
+from scheduler.subscriptions import EventSink, Subscription, Subscriptions
 
 log = get_logger(__name__)
 tracer = get_tracer("canteen.scheduler")
@@ -63,6 +64,7 @@ class SchedulerService:
         self.pool = pool
         self.max_queue = max_queue
         self.metrics = metrics
+        self.subscriptions = Subscriptions()
 
     def _admit(self, params: GenerateParams) -> tuple[WorkerLink, Sequence]:
         """Picks a worker and checks the request against it; raises what the caller sees."""
@@ -100,13 +102,20 @@ class SchedulerService:
         return link, seq
 
     async def generate(
-        self, params: GenerateParams, trace_context: Context | None = None
+        self,
+        params: GenerateParams,
+        trace_context: Context | None = None,
+        feed: tuple[Subscription, int] | None = None,
     ) -> AsyncIterator[SeqEvent]:
-        """Yields the sequence's events until it finishes; cancels it if the caller leaves."""
+        """Yields the sequence's events until it finishes; cancels it if the caller leaves.
+        With ``feed`` (a subscription and the request's tag on it), tokens go to the
+        subscription, and only the end comes here."""
         # A span, not a current-span context: the context must not span the yields.
         span = tracer.start_span("scheduler.generate", context=trace_context)
         try:
             link, seq = self._admit(params)
+            queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
+            sink: EventSink = queue if feed is None else feed[0].attach(feed[1], seq, queue)
         except Exception as exc:
             span.set_attribute("canteen.error", str(exc))
             span.end()
@@ -114,7 +123,7 @@ class SchedulerService:
         seq.deadline = params.deadline
         seq.traceparent = traceparent_of(span)
         span.set_attribute("canteen.worker", link.desc.worker_id)
-        queue = link.submit(seq)
+        link.adopt(seq, sink)
         log.info(
             "request queued",
             request_id=params.request_id,
@@ -126,6 +135,8 @@ class SchedulerService:
             async for event in self._events(queue, seq, link):
                 yield event
         finally:
+            if feed is not None:
+                feed[0].detach(feed[1])
             if not seq.is_finished:
                 self.pool.cancel(seq)
                 log.info(

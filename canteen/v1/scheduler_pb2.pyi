@@ -36,6 +36,8 @@ class ScheduleRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     DISABLE_SPECULATION_FIELD_NUMBER: _builtins.int
+    SUBSCRIPTION_ID_FIELD_NUMBER: _builtins.int
+    STREAM_TAG_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request label (x-request-id): logged and echoed, never used as a key. The
     scheduler makes its own unique sequence id for every request.
@@ -56,6 +58,15 @@ class ScheduleRequest(_message.Message):
     """
     disable_speculation: _builtins.bool
     """Never verify draft tokens for this request."""
+    subscription_id: _builtins.str
+    """Deliver the tokens on this Subscribe stream instead of this call's own stream. Unknown on
+    this scheduler: FAILED_PRECONDITION with trailer canteen-subscription=unknown (the caller
+    runs the request on its own stream instead).
+    """
+    stream_tag: _builtins.int
+    """The caller's key for this request on the subscription (unique among its open requests);
+    copied into every ScheduleResponse of it. Required with subscription_id.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids."""
@@ -82,10 +93,12 @@ class ScheduleRequest(_message.Message):
         priority: _builtins.int = ...,
         cache_salt: _builtins.str = ...,
         disable_speculation: _builtins.bool = ...,
+        subscription_id: _builtins.str = ...,
+        stream_tag: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "stream_tag", b"stream_tag", "subscription_id", b"subscription_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -103,10 +116,13 @@ class ScheduleResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    STREAM_TAG_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last message only."""
     queue_seconds: _builtins.float
     """Seconds the request waited before its first step (set on the first message)."""
+    stream_tag: _builtins.int
+    """On a Subscribe stream: the request's ScheduleRequest.stream_tag."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Sampled token ids, in order."""
@@ -132,14 +148,62 @@ class ScheduleResponse(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         queue_seconds: _builtins.float = ...,
         top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
+        stream_tag: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "queue_seconds", b"queue_seconds", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "queue_seconds", b"queue_seconds", "stream_tag", b"stream_tag", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScheduleResponse: _TypeAlias = ScheduleResponse  # noqa: Y015
+
+@_typing.final
+class SubscribeRequest(_message.Message):
+    """Opens a shared token stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeRequest: _TypeAlias = SubscribeRequest  # noqa: Y015
+
+@_typing.final
+class ScheduleBatch(_message.Message):
+    """One message of a shared token stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBSCRIPTION_ID_FIELD_NUMBER: _builtins.int
+    RESPONSES_FIELD_NUMBER: _builtins.int
+    subscription_id: _builtins.str
+    """Set on the first message only (which carries no responses): the id Generate calls name."""
+    @_builtins.property
+    def responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScheduleResponse]:
+        """New tokens of the attached requests, at most one entry per request and message; an
+        entry with finish_reason set is that request's last.
+        """
+
+    def __init__(
+        self,
+        *,
+        subscription_id: _builtins.str = ...,
+        responses: _abc.Iterable[Global___ScheduleResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["responses", b"responses", "subscription_id", b"subscription_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScheduleBatch: _TypeAlias = ScheduleBatch  # noqa: Y015
 
 @_typing.final
 class GetStatsRequest(_message.Message):

@@ -40,6 +40,11 @@ class SchedulerStub:
                 request_serializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
                 response_deserializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleResponse.FromString,
                 _registered_method=True)
+        self.Subscribe = channel.unary_stream(
+                '/canteen.v1.Scheduler/Subscribe',
+                request_serializer=canteen_dot_v1_dot_scheduler__pb2.SubscribeRequest.SerializeToString,
+                response_deserializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/canteen.v1.Scheduler/GetStats',
                 request_serializer=canteen_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
@@ -53,6 +58,16 @@ class SchedulerServicer:
 
     def Generate(self, request, context):
         """Runs one tokenized request and streams its tokens as they are sampled.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Subscribe(self, request, context):
+        """Opens a shared token stream: one message per step carrying every attached request's new
+        tokens. A Generate call that names the subscription sends no messages on its own stream:
+        it only ends, with OK or with the request's error, and its tokens and final message (with
+        finish_reason and usage) come here, tagged with its stream_tag.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +87,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleRequest.FromString,
                     response_serializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleResponse.SerializeToString,
+            ),
+            'Subscribe': grpc.unary_stream_rpc_method_handler(
+                    servicer.Subscribe,
+                    request_deserializer=canteen_dot_v1_dot_scheduler__pb2.SubscribeRequest.FromString,
+                    response_serializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -107,6 +127,33 @@ class Scheduler:
             '/canteen.v1.Scheduler/Generate',
             canteen_dot_v1_dot_scheduler__pb2.ScheduleRequest.SerializeToString,
             canteen_dot_v1_dot_scheduler__pb2.ScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Subscribe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/canteen.v1.Scheduler/Subscribe',
+            canteen_dot_v1_dot_scheduler__pb2.SubscribeRequest.SerializeToString,
+            canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -35,6 +35,12 @@ class SchedulerStub:
     def __new__(cls, channel: _aio.Channel) -> SchedulerAsyncStub: ...
     Generate: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.ScheduleRequest, _scheduler_pb2.ScheduleResponse]
     """Runs one tokenized request and streams its tokens as they are sampled."""
+    Subscribe: _grpc.UnaryStreamMultiCallable[_scheduler_pb2.SubscribeRequest, _scheduler_pb2.ScheduleBatch]
+    """Opens a shared token stream: one message per step carrying every attached request's new
+    tokens. A Generate call that names the subscription sends no messages on its own stream:
+    it only ends, with OK or with the request's error, and its tokens and final message (with
+    finish_reason and usage) come here, tagged with its stream_tag.
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetStatsRequest, _scheduler_pb2.GetStatsResponse]
     """Reports the state of every worker's batch and KV pool."""
 
@@ -45,6 +51,12 @@ class SchedulerAsyncStub(SchedulerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryStreamMultiCallable[_scheduler_pb2.ScheduleRequest, _scheduler_pb2.ScheduleResponse]  # type: ignore[assignment]
     """Runs one tokenized request and streams its tokens as they are sampled."""
+    Subscribe: _aio.UnaryStreamMultiCallable[_scheduler_pb2.SubscribeRequest, _scheduler_pb2.ScheduleBatch]  # type: ignore[assignment]
+    """Opens a shared token stream: one message per step carrying every attached request's new
+    tokens. A Generate call that names the subscription sends no messages on its own stream:
+    it only ends, with OK or with the request's error, and its tokens and final message (with
+    finish_reason and usage) come here, tagged with its stream_tag.
+    """
     GetStats: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetStatsRequest, _scheduler_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Reports the state of every worker's batch and KV pool."""
 
@@ -58,6 +70,18 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.ScheduleResponse], _abc.AsyncIterator[_scheduler_pb2.ScheduleResponse]]:
         """Runs one tokenized request and streams its tokens as they are sampled."""
+
+    @_abc_1.abstractmethod
+    def Subscribe(
+        self,
+        request: _scheduler_pb2.SubscribeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.ScheduleBatch], _abc.AsyncIterator[_scheduler_pb2.ScheduleBatch]]:
+        """Opens a shared token stream: one message per step carrying every attached request's new
+        tokens. A Generate call that names the subscription sends no messages on its own stream:
+        it only ends, with OK or with the request's error, and its tokens and final message (with
+        finish_reason and usage) come here, tagged with its stream_tag.
+        """
 
     @_abc_1.abstractmethod
     def GetStats(

@@ -93,6 +93,17 @@ def test_only_the_gateway_may_submit_work_to_the_scheduler(secure: SecureSuite) 
         assert info.value.details() == (
             f"Generate is open to gateway only; this caller's certificate is for {role!r}"
         )
+        # Nor may anyone else open a shared token stream (its id admits requests to it).
+        with sync_channel(secure.scheduler.address, secure.tls(role), "scheduler") as channel:
+            feed = scheduler_pb2_grpc.SchedulerStub(channel).Subscribe(
+                scheduler_pb2.SubscribeRequest(), timeout=10
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                next(feed)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert info.value.details() == (
+            f"Subscribe is open to gateway only; this caller's certificate is for {role!r}"
+        )
 
 
 def test_a_second_run_stream_is_refused_and_the_first_keeps_serving(secure: SecureSuite) -> None:

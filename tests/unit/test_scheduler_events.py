@@ -1,12 +1,16 @@
 """How a sequence's events reach its caller: a reader that fell behind the steps gets the
-tokens that queued up as one event, in order, logprobs with them, and a failure after them."""
+tokens that queued up as one event, in order, logprobs with them, and a failure after them;
+on a shared token stream, one entry per request and batch, and the end to the caller."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from scheduler.sequence import Finish, SeqEvent
 from scheduler.service import _coalesce
+from scheduler.subscriptions import SubscriptionError, Subscriptions
 from tests.unit.test_batcher import make_seq
 
 
@@ -48,3 +52,42 @@ def test_an_event_that_ends_the_sequence_takes_nothing_more() -> None:
     done = SeqEvent(seq, (5,), (-0.5,), Finish.STOP)
     queue = _queue([SeqEvent(seq, (6,), (-0.25,))])
     assert _coalesce(done, queue) == (done, None) and queue.qsize() == 1
+
+
+async def test_a_subscription_sends_each_request_once_a_batch_and_ends_go_to_the_caller() -> None:
+    subscription = Subscriptions().open()
+    a, b = make_seq("a", prompt_len=3, max_tokens=8), make_seq("b", prompt_len=2, max_tokens=2)
+    own_a, own_b = asyncio.Queue[SeqEvent](), asyncio.Queue[SeqEvent]()
+    sink_a, sink_b = subscription.attach(1, a, own_a), subscription.attach(2, b, own_b)
+    sink_a.put_nowait(SeqEvent(a, (5,), (-0.5,)))
+    sink_b.put_nowait(SeqEvent(b, (6,), (-0.25,)))
+    sink_a.put_nowait(SeqEvent(a, (7,), (-1.0,)))  # the stream fell behind a step
+    sink_b.put_nowait(SeqEvent(b, (8,), (-2.0,), Finish.LENGTH))
+    batch = await subscription.next_batch()
+    assert [(tag, e.token_ids, e.logprobs, e.finish, first) for tag, e, first in batch] == [
+        (1, (5, 7), (-0.5, -1.0), None, True),
+        (2, (6, 8), (-0.25, -2.0), Finish.LENGTH, True),
+    ]
+    assert own_a.empty() and own_b.get_nowait().finish is Finish.LENGTH  # only the end
+    sink_a.put_nowait(SeqEvent(a, (9,), (-3.0,)))
+    assert [(tag, first) for tag, _, first in await subscription.next_batch()] == [(1, False)]
+    subscription.attach(2, b, own_b)  # b's tag is free again once b ended
+
+
+def test_a_failure_goes_to_the_caller_only_and_a_closed_stream_cancels_the_rest() -> None:
+    subscriptions = Subscriptions()
+    subscription = subscriptions.open()
+    a, b = make_seq("a", prompt_len=3, max_tokens=8), make_seq("b", prompt_len=2, max_tokens=8)
+    own_a, own_b = asyncio.Queue[SeqEvent](), asyncio.Queue[SeqEvent]()
+    subscription.attach(1, a, own_a).put_nowait(SeqEvent(a, (), (), Finish.FAILED))
+    assert own_a.get_nowait().finish is Finish.FAILED
+    subscription.attach(2, b, own_b)
+    with pytest.raises(SubscriptionError, match="stream_tag 2 is already in use"):
+        subscription.attach(2, a, own_a)
+    subscriptions.close(subscription)
+    ended = own_b.get_nowait()
+    assert (ended.seq, ended.finish) == (b, Finish.CANCELLED)
+    with pytest.raises(SubscriptionError, match="is not open on this scheduler"):
+        subscriptions.get(subscription.id)
+    with pytest.raises(SubscriptionError, match="is closed"):
+        subscription.attach(3, a, own_a)

@@ -1,0 +1,131 @@
+"""The scheduler -> gateway hop: one shared token stream per gateway against one stream per
+request, side by side in one run.
+
+One registry, scheduler and worker, and two gateways in front of the scheduler:
+``--scheduler-stream shared`` (the default) and ``--scheduler-stream per-request``. Rounds
+alternate which gateway goes first, and every run has its own prompts (no prefix cache helps
+either side). Prints one JSON line per run, in the order they ran: tokens per second, and the
+CPU microseconds per generated token of the scheduler and of that run's gateway. The client
+runs at nice 19 in its own process.
+
+``--tiny`` serves a tiny random model (steps of about a millisecond, the regime of a GPU
+worker, where the edge services bound the suite); the default is SmolLM2 on the CPU.
+
+Usage: python bench/shared_stream.py [--streams 16,32] [--tokens 64] [--rounds 2] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.throughput import NicedClient, questions
+from tests.support.suite import Service, Suite, wait_serving
+
+MODES = ("shared", "per-request")
+
+
+@contextlib.contextmanager
+def two_gateways(
+    workdir: Path, tiny: bool, worker_args: list[str]
+) -> Iterator[tuple[Service, dict[str, Service]]]:
+    """The scheduler, and a gateway per mode in front of it."""
+    from canteen.models import DEFAULT_MODEL_NAME
+
+    suite = Suite(workdir)
+    try:
+        if tiny:
+            from tests.support.tiny_model import build_tiny_model
+
+            registry = suite.start_tiny_registry(build_tiny_model(workdir / "tiny"))
+        else:
+            registry = suite.start_registry()
+        scheduler = suite.start_scheduler(registry)
+        suite.start_worker(registry, "tiny" if tiny else DEFAULT_MODEL_NAME, *worker_args)
+        wait_serving(scheduler.address, "canteen.v1.Scheduler", 120, role="scheduler")
+        gateways = {
+            mode: suite.start_gateway(registry, scheduler, "--scheduler-stream", mode, name=mode)
+            for mode in MODES
+        }
+        yield scheduler, gateways
+    finally:
+        suite.stop()
+
+
+def cpu(service: Service) -> float:
+    return sum(psutil.Process(service.process.pid).cpu_times()[:2])
+
+
+def run(
+    client: NicedClient, scheduler: Service, gateway: Service, streams: int, tokens: int, tag: str
+) -> dict[str, float]:
+    before = cpu(scheduler), cpu(gateway)
+    started = time.perf_counter()
+    tps = client.run(gateway.address, questions(streams, tag), tokens)
+    wall = time.perf_counter() - started
+    used = cpu(scheduler) - before[0], cpu(gateway) - before[1]
+    made = streams * tokens
+    return {
+        "tok_s": round(tps, 1),
+        "wall_s": round(wall, 3),
+        "scheduler_us": round(1e6 * used[0] / made, 1),
+        "gateway_us": round(1e6 * used[1] / made, 1),
+    }
+
+
+def median_row(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", default="16,32")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random model (see above)")
+    args = parser.parse_args()
+    worker_args = ["--kv-cache-memory", "1GiB", "--dtype", "auto"]
+    found: dict[tuple[str, int], list[dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        with two_gateways(Path(tmp), args.tiny, worker_args) as (scheduler, gateways):
+            client = NicedClient()
+            for mode in MODES:  # warm both: tokenizer, channels, the shared stream
+                client.run(gateways[mode].address, questions(4, f"warm-{mode}"), 8)
+            for r in range(args.rounds):
+                order = MODES if r % 2 == 0 else MODES[::-1]
+                for streams in (int(s) for s in args.streams.split(",")):
+                    for mode in order:
+                        tag = f"r{r}-{mode}"
+                        row = run(client, scheduler, gateways[mode], streams, args.tokens, tag)
+                        found.setdefault((mode, streams), []).append(row)
+                        print(json.dumps({"round": r, "mode": mode, "streams": streams, **row}))
+            client.close()
+    for streams in (int(s) for s in args.streams.split(",")):
+        medians = {mode: median_row(found[(mode, streams)]) for mode in MODES}
+        shared, own = medians["shared"], medians["per-request"]
+        print(
+            json.dumps(
+                {
+                    "streams": streams,
+                    "median_tok_s": {m: medians[m]["tok_s"] for m in MODES},
+                    "shared_over_per_request": round(shared["tok_s"] / own["tok_s"], 3),
+                    "scheduler_us": {m: medians[m]["scheduler_us"] for m in MODES},
+                    "gateway_us": {m: medians[m]["gateway_us"] for m in MODES},
+                }
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

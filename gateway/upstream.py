@@ -1,0 +1,254 @@
+"""The gateway's calls to the scheduler: one Generate call per request, and its tokens.
+
+By default (``--scheduler-stream shared``) tokens do not come on each request's own stream:
+the gateway holds one ``Subscribe`` stream to the scheduler, which carries one message per
+step with every request's new tokens, and each Generate call names it with a tag. The
+request's own call then carries only the control: its deadline, trace context and identity,
+the gateway's cancel, and the scheduler's verdict when it fails. A step then costs the
+scheduler one message and one write per gateway instead of one per request.
+
+Until a request's first token, a scheduler that cannot be reached (restarting, draining) is
+retried with backoff for ``--scheduler-retry`` seconds within the deadline; once tokens have
+flowed, a failure ends the stream and nothing is sent twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncGenerator
+from typing import TypeAlias
+
+import grpc
+
+from canteen.logging import get_logger
+from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = get_logger(__name__)
+
+Metadata = tuple[tuple[str, str], ...]
+# What a request's inbox receives: a response, its own call once done, or the shared
+# stream's failure.
+_Item: TypeAlias = (
+    "scheduler_pb2.ScheduleResponse | grpc.aio.UnaryStreamCall | grpc.aio.AioRpcError"
+)
+
+
+class Feed:
+    """One open Subscribe stream: routes each tagged response to its request's inbox."""
+
+    def __init__(self, subscription_id: str, call: grpc.aio.UnaryStreamCall) -> None:
+        self.id, self.call = subscription_id, call
+        self.inboxes: dict[int, asyncio.Queue[_Item]] = {}
+        self.error: grpc.aio.AioRpcError | None = None
+        self.reader: asyncio.Task[None] | None = None
+
+    def attach(self, tag: int) -> asyncio.Queue[_Item]:
+        inbox: asyncio.Queue[_Item] = asyncio.Queue()
+        self.inboxes[tag] = inbox
+        return inbox
+
+    def detach(self, tag: int) -> None:
+        self.inboxes.pop(tag, None)
+
+    async def read(self) -> None:
+        try:
+            # read(), not iteration: the opening read the first message with it
+            while (batch := await self.call.read()) is not grpc.aio.EOF:
+                for response in batch.responses:
+                    inbox = self.inboxes.get(response.stream_tag)
+                    if inbox is not None:
+                        inbox.put_nowait(response)
+            error = _unavailable("the scheduler ended the shared token stream")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            self._fail(_unavailable("the gateway closed the shared token stream"))
+            raise
+        except Exception as exc:  # a bug here must fail the requests, not strand them
+            log.exception("shared token stream reader failed")
+            error = _unavailable(f"the shared token stream failed: {exc}")
+        log.warning("shared token stream lost", code=error.code().name, details=error.details())
+        self._fail(error)
+
+    def _fail(self, error: grpc.aio.AioRpcError) -> None:
+        """Every attached request fails with ``error``; the next request opens a new feed."""
+        self.error = error
+        for inbox in self.inboxes.values():
+            inbox.put_nowait(error)
+        self.inboxes.clear()
+
+
+class SchedulerClient:
+    """Runs requests on the scheduler, over the shared stream or each on its own."""
+
+    def __init__(
+        self, stub: scheduler_pb2_grpc.SchedulerStub, retry_seconds: float, shared: bool = True
+    ) -> None:
+        self._stub = stub
+        self._retry_seconds = retry_seconds
+        self.is_shared = shared
+        self._feed: Feed | None = None
+        self._opening: asyncio.Future[Feed] | None = None
+        self._tags = itertools.count(1)
+
+    async def stream(
+        self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
+    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+        """The scheduler's responses for ``request``, the last with finish_reason set."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._retry_seconds
+        deadline = loop.time() + timeout if timeout is not None else None
+        delay = 0.05
+        while True:
+            remaining = deadline - loop.time() if deadline is not None else None
+            received = False
+            try:
+                responses = await self._once(request, remaining, metadata)
+                async with contextlib.aclosing(responses):
+                    async for msg in responses:
+                        received = True
+                        yield msg
+                return
+            except grpc.aio.AioRpcError as exc:
+                last_try = min(give_up, deadline or give_up) < loop.time() + delay
+                if received or last_try or not _unreachable(exc):
+                    raise
+                log.warning("scheduler unreachable; retrying", code=exc.code().name, delay=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def close(self) -> None:
+        if self._feed is not None and self._feed.reader is not None:
+            self._feed.reader.cancel()
+            self._feed.call.cancel()
+
+    async def _once(
+        self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
+    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+        if not self.is_shared:
+            return self._own(request, timeout, metadata)
+        feed = await self._open_feed(timeout)
+        if feed is None:  # the scheduler has no Subscribe: each request on its own stream
+            return self._own(request, timeout, metadata)
+        return self._shared(feed, request, timeout, metadata)
+
+    async def _own(
+        self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
+    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+        request.subscription_id, request.stream_tag = "", 0
+        call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
+        try:
+            async for msg in call:
+                yield msg
+        finally:
+            call.cancel()
+
+    async def _shared(
+        self,
+        feed: Feed,
+        request: scheduler_pb2.ScheduleRequest,
+        timeout: float | None,
+        metadata: Metadata,
+    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+        tag = next(self._tags)
+        inbox = feed.attach(tag)
+        request.subscription_id, request.stream_tag = feed.id, tag
+        call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
+        call.add_done_callback(inbox.put_nowait)
+        try:
+            while True:
+                item = await inbox.get()
+                if isinstance(item, scheduler_pb2.ScheduleResponse):
+                    yield item
+                    if item.finish_reason:
+                        return
+                elif isinstance(item, grpc.aio.AioRpcError):
+                    raise item  # the shared stream broke
+                elif (error := await _error_of(item)) is not None:
+                    if not _refused(error):
+                        raise error
+                    # Not this scheduler's subscription (a balancer between us): own stream.
+                    log.warning("subscription refused; own stream", details=error.details())
+                    async with contextlib.aclosing(self._own(request, timeout, metadata)) as own:
+                        async for msg in own:
+                            yield msg
+                    return
+                # The call ended OK: the final message is on its way on the shared stream.
+        finally:
+            feed.detach(tag)
+            call.cancel()
+
+    async def _open_feed(self, timeout: float | None) -> Feed | None:
+        """The open feed, opened on first use and after a break (one opening at a time,
+        waited for at most ``timeout``); None when the scheduler does not serve Subscribe."""
+        if self._feed is not None and self._feed.error is None:
+            return self._feed
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(self._open())
+            self._opening.add_done_callback(_retrieve)
+        try:
+            self._feed = await asyncio.wait_for(asyncio.shield(self._opening), timeout)
+        except TimeoutError:
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                "Deadline Exceeded (opening the shared token stream)",
+            ) from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            log.warning("the scheduler has no Subscribe; each request on its own stream")
+            self.is_shared = False
+            return None
+        return self._feed
+
+    async def _open(self) -> Feed:
+        call = self._stub.Subscribe(scheduler_pb2.SubscribeRequest())
+        first = await call.read()
+        if first is grpc.aio.EOF:
+            raise await _error_of(call) or _unavailable("the scheduler ended Subscribe at once")
+        feed = Feed(first.subscription_id, call)
+        feed.reader = asyncio.ensure_future(feed.read())
+        log.info("shared token stream open")
+        return feed
+
+
+async def _error_of(call: grpc.aio.UnaryStreamCall) -> grpc.aio.AioRpcError | None:
+    """The error a finished call ended with; None when it ended OK."""
+    code = await call.code()
+    if code == grpc.StatusCode.OK:
+        return None
+    return grpc.aio.AioRpcError(
+        code,
+        await call.initial_metadata(),
+        await call.trailing_metadata(),
+        await call.details(),
+    )
+
+
+def _unavailable(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+
+
+def _retrieve(future: asyncio.Future[Feed]) -> None:
+    """Marks an opening's failure as seen (every waiter gets it; none may be left)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _refused(exc: grpc.aio.AioRpcError) -> bool:
+    return any(key == "canteen-subscription" for key, _ in exc.trailing_metadata() or ())
+
+
+def _unreachable(exc: grpc.aio.AioRpcError) -> bool:
+    """UNAVAILABLE from the transport or a draining server, or CANCELLED by a server that
+    was stopping as the call arrived; not the scheduler's own verdict (those carry
+    ``canteen-final`` in their trailers). The gateway's own cancel never lands here."""
+    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return False
+    return not any(key == "canteen-final" for key, _ in exc.trailing_metadata() or ())

@@ -1,0 +1,128 @@
+"""Shared token streams: one per gateway, one message per step for all its requests.
+
+A gateway opens a subscription once and names it in each Generate call with a tag of its
+choosing. The worker link delivers a subscribed request's events to a ``TokenSink`` instead
+of the request's own queue: tokens, and the finish with them, go to the subscription's next
+batch, where events of one step for every attached request become one message; the request's
+own queue gets only the end (finish or failure), which ends its Generate call. A per-request
+stream costs a message, a write and a wakeup per token; here a step costs one of each per
+gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Protocol
+
+from scheduler.sequence import Finish, SeqEvent, Sequence
+
+
+class EventSink(Protocol):
+    """Where the worker link delivers a sequence's events (an ``asyncio.Queue`` or a sink)."""
+
+    def put_nowait(self, item: SeqEvent, /) -> None: ...
+
+
+class SubscriptionError(Exception):
+    """A Generate call named a subscription this scheduler does not have open, or a tag
+    already in use on it."""
+
+
+class Subscription:
+    """One shared stream's pending events, by tag, in the order their requests first sent."""
+
+    def __init__(self) -> None:
+        self.id = os.urandom(16).hex()
+        self.is_closed = False
+        self._pending: dict[int, tuple[SeqEvent, bool]] = {}
+        self._ready = asyncio.Event()
+        self._ends: dict[int, tuple[Sequence, EventSink]] = {}  # tag -> (seq, its own queue)
+
+    def attach(self, tag: int, seq: Sequence, own: EventSink) -> TokenSink:
+        """A sink for the request tagged ``tag``; its end also goes to ``own``."""
+        if self.is_closed:
+            raise SubscriptionError(f"subscription_id {self.id!r} is closed")
+        if tag in self._ends:
+            raise SubscriptionError(f"stream_tag {tag} is already in use on this subscription")
+        self._ends[tag] = (seq, own)
+        return TokenSink(self, tag, own)
+
+    def detach(self, tag: int) -> None:
+        self._ends.pop(tag, None)
+
+    def push(self, tag: int, event: SeqEvent, is_first: bool) -> None:
+        if self.is_closed:
+            return
+        held = self._pending.get(tag)
+        if held is not None:  # the stream fell behind the steps: one entry per request
+            before, is_first = held
+            event = SeqEvent(
+                event.seq,
+                before.token_ids + event.token_ids,
+                before.logprobs + event.logprobs,
+                event.finish,
+                before.top_logprobs + event.top_logprobs,
+            )
+        self._pending[tag] = (event, is_first)
+        self._ready.set()
+
+    async def next_batch(self) -> list[tuple[int, SeqEvent, bool]]:
+        """Waits for events, then takes all of them: (tag, event, whether it is the
+        request's first entry)."""
+        await self._ready.wait()
+        self._ready.clear()
+        batch = [(tag, event, is_first) for tag, (event, is_first) in self._pending.items()]
+        self._pending = {}
+        return batch
+
+    def close(self) -> None:
+        """The stream is gone: every attached request ends as cancelled (the caller left)."""
+        self.is_closed = True
+        self._pending.clear()
+        for seq, own in self._ends.values():
+            own.put_nowait(SeqEvent(seq, (), (), Finish.CANCELLED))
+        self._ends.clear()
+
+
+class TokenSink:
+    """A subscribed request's events: tokens and the finish to the subscription, the end
+    (finish or failure) to the request's own queue."""
+
+    def __init__(self, subscription: Subscription, tag: int, own: EventSink) -> None:
+        self._subscription, self._tag, self._own = subscription, tag, own
+        self._is_first = True
+
+    def put_nowait(self, event: SeqEvent, /) -> None:
+        if not event.token_ids and event.finish is None:
+            return
+        if event.finish is not Finish.FAILED:
+            self._subscription.push(self._tag, event, self._is_first)
+            self._is_first = False
+        if event.finish is not None:
+            self._subscription.detach(self._tag)
+            self._own.put_nowait(event)
+
+
+class Subscriptions:
+    """The open subscriptions of this scheduler, by id."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Subscription] = {}
+
+    def open(self) -> Subscription:
+        subscription = Subscription()
+        self._open[subscription.id] = subscription
+        return subscription
+
+    def get(self, subscription_id: str) -> Subscription:
+        subscription = self._open.get(subscription_id)
+        if subscription is None:
+            raise SubscriptionError(
+                f"subscription_id {subscription_id!r} is not open on this scheduler"
+            )
+        return subscription
+
+    def close(self, subscription: Subscription) -> None:
+        self._open.pop(subscription.id, None)
+        subscription.close()
