@@ -88,7 +88,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
         params = params_from_pb(request, context.time_remaining())
         try:
-            feed = self._feed(request)
+            feed = self._feed(request, context.peer())
             trace_context = context_from_metadata(context.invocation_metadata())
             events = self._service.generate(params, trace_context, feed)
             if feed is not None:  # tokens and the final message go on the subscription
@@ -115,19 +115,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             # The scheduler's own verdict: the gateway does not retry it as if unreachable.
             await context.abort(_ERRORS[type(exc)], str(exc), (("canteen-final", "1"),))
 
-    def _feed(self, request: scheduler_pb2.ScheduleRequest) -> tuple[Subscription, int] | None:
+    def _feed(
+        self, request: scheduler_pb2.ScheduleRequest, peer: str
+    ) -> tuple[Subscription, int] | None:
         if not request.subscription_id:
             if request.stream_tag:
                 raise InvalidRequestError("stream_tag needs subscription_id")
             return None
         if not request.stream_tag:
             raise InvalidRequestError("stream_tag is required with subscription_id")
-        return self._service.subscriptions.get(request.subscription_id), request.stream_tag
+        return self._service.subscriptions.get(request.subscription_id, peer), request.stream_tag
 
     async def Subscribe(
         self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.ScheduleBatch]:
-        subscription = self._service.subscriptions.open()
+        subscription = self._service.subscriptions.open(context.peer())
         try:
             yield scheduler_pb2.ScheduleBatch(subscription_id=subscription.id)
             while True:

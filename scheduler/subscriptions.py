@@ -6,7 +6,8 @@ of the request's own queue: tokens, and the finish with them, go to the subscrip
 batch, where events of one step for every attached request become one message; the request's
 own queue gets only the end (finish or failure), which ends its Generate call. A per-request
 stream costs a message, a write and a wakeup per token; here a step costs one of each per
-gateway.
+gateway. A subscription belongs to the connection that opened it: a call on any other
+connection cannot attach to it (nor learn that it exists).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ class SubscriptionError(Exception):
 class Subscription:
     """One shared stream's pending events, by tag, in the order their requests first sent."""
 
-    def __init__(self) -> None:
+    def __init__(self, peer: str) -> None:
         self.id = os.urandom(16).hex()
+        self.peer = peer  # the connection it was opened on: only calls on it may attach
         self.is_closed = False
         self._pending: dict[int, tuple[SeqEvent, bool]] = {}
         self._ready = asyncio.Event()
@@ -110,14 +112,16 @@ class Subscriptions:
     def __init__(self) -> None:
         self._open: dict[str, Subscription] = {}
 
-    def open(self) -> Subscription:
-        subscription = Subscription()
+    def open(self, peer: str) -> Subscription:
+        subscription = Subscription(peer)
         self._open[subscription.id] = subscription
         return subscription
 
-    def get(self, subscription_id: str) -> Subscription:
+    def get(self, subscription_id: str, peer: str) -> Subscription:
+        """The open subscription ``subscription_id``, if ``peer`` (a call's connection)
+        opened it: a call from another connection is told no more than for an unknown id."""
         subscription = self._open.get(subscription_id)
-        if subscription is None:
+        if subscription is None or subscription.peer != peer:
             raise SubscriptionError(
                 f"subscription_id {subscription_id!r} is not open on this scheduler"
             )

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from canteen.v1 import common_pb2, inference_pb2, scheduler_pb2
+from canteen.v1 import common_pb2, inference_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.conftest import NUM_KV_BLOCKS, TinySuite
 from tests.support import reference
 from tests.support.streams import until
@@ -119,6 +119,24 @@ def test_a_request_naming_no_open_subscription_is_refused(
     if code == grpc.StatusCode.FAILED_PRECONDITION:  # the gateway's cue to use its own stream
         trailers = dict(info.value.trailing_metadata() or ())
         assert trailers["canteen-subscription"] == "refused"
+
+
+def test_only_calls_on_the_connection_that_opened_it_may_attach(suite: TinySuite) -> None:
+    feed = suite.scheduler_stub.Subscribe(scheduler_pb2.SubscribeRequest(), timeout=60)
+    sub = next(feed).subscription_id
+    # A channel of its own connection (channels in one process share them by default).
+    alone = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(suite.scheduler.address, options=alone) as other:
+        stranger = scheduler_pb2_grpc.SchedulerStub(other)
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                stranger.Generate(
+                    _request([5, 6], 2, subscription_id=sub, stream_tag=1), timeout=10
+                )
+            )
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.details() == f"subscription_id {sub!r} is not open on this scheduler"
+    feed.cancel()
 
 
 def test_a_tag_in_use_is_refused_and_the_first_request_goes_on(

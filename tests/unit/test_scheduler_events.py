@@ -55,7 +55,7 @@ def test_an_event_that_ends_the_sequence_takes_nothing_more() -> None:
 
 
 async def test_a_subscription_sends_each_request_once_a_batch_and_ends_go_to_the_caller() -> None:
-    subscription = Subscriptions().open()
+    subscription = Subscriptions().open("ipv4:127.0.0.1:5000")
     a, b = make_seq("a", prompt_len=3, max_tokens=8), make_seq("b", prompt_len=2, max_tokens=2)
     own_a, own_b = asyncio.Queue[SeqEvent](), asyncio.Queue[SeqEvent]()
     sink_a, sink_b = subscription.attach(1, a, own_a), subscription.attach(2, b, own_b)
@@ -76,7 +76,10 @@ async def test_a_subscription_sends_each_request_once_a_batch_and_ends_go_to_the
 
 def test_a_failure_goes_to_the_caller_only_and_a_closed_stream_cancels_the_rest() -> None:
     subscriptions = Subscriptions()
-    subscription = subscriptions.open()
+    subscription = subscriptions.open("ipv4:127.0.0.1:5000")
+    assert subscriptions.get(subscription.id, "ipv4:127.0.0.1:5000") is subscription
+    with pytest.raises(SubscriptionError, match="is not open on this scheduler"):
+        subscriptions.get(subscription.id, "ipv4:127.0.0.1:5001")  # another connection
     a, b = make_seq("a", prompt_len=3, max_tokens=8), make_seq("b", prompt_len=2, max_tokens=8)
     own_a, own_b = asyncio.Queue[SeqEvent](), asyncio.Queue[SeqEvent]()
     subscription.attach(1, a, own_a).put_nowait(SeqEvent(a, (), (), Finish.FAILED))
@@ -88,6 +91,6 @@ def test_a_failure_goes_to_the_caller_only_and_a_closed_stream_cancels_the_rest(
     ended = own_b.get_nowait()
     assert (ended.seq, ended.finish) == (b, Finish.CANCELLED)
     with pytest.raises(SubscriptionError, match="is not open on this scheduler"):
-        subscriptions.get(subscription.id)
+        subscriptions.get(subscription.id, "ipv4:127.0.0.1:5000")
     with pytest.raises(SubscriptionError, match="is closed"):
         subscription.attach(3, a, own_a)
