@@ -71,6 +71,7 @@ bench: install
 	$(PY) bench/constrained.py
 	$(PY) bench/mtls.py
 	$(PY) bench/grpc_hop.py
+	$(PY) bench/shared_stream.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
