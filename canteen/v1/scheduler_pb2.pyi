@@ -120,7 +120,7 @@ class ScheduleResponse(_message.Message):
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last message only."""
     queue_seconds: _builtins.float
-    """Seconds the request waited before its first step (set on the first message)."""
+    """Seconds the request waited before its first step (set on the request's first message)."""
     stream_tag: _builtins.int
     """On a Subscribe stream: the request's ScheduleRequest.stream_tag."""
     @_builtins.property
