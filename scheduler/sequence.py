@@ -157,3 +157,13 @@ class SeqEvent:
     logprobs: tuple[float, ...]
     finish: Finish | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+    def then(self, more: SeqEvent) -> SeqEvent:
+        """This event's tokens followed by ``more``'s, ending as ``more`` does."""
+        return SeqEvent(
+            self.seq,
+            self.token_ids + more.token_ids,
+            self.logprobs + more.logprobs,
+            more.finish,
+            self.top_logprobs + more.top_logprobs,
+        )

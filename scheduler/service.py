@@ -187,13 +187,7 @@ def _coalesce(event: SeqEvent, queue: asyncio.Queue[SeqEvent]) -> tuple[SeqEvent
         more = queue.get_nowait()
         if more.finish is Finish.FAILED:
             return event, more
-        event = SeqEvent(
-            event.seq,
-            event.token_ids + more.token_ids,
-            event.logprobs + more.logprobs,
-            more.finish,
-            event.top_logprobs + more.top_logprobs,
-        )
+        event = event.then(more)
     return event, None
 
 

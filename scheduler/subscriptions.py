@@ -59,13 +59,7 @@ class Subscription:
         held = self._pending.get(tag)
         if held is not None:  # the stream fell behind the steps: one entry per request
             before, is_first = held
-            event = SeqEvent(
-                event.seq,
-                before.token_ids + event.token_ids,
-                before.logprobs + event.logprobs,
-                event.finish,
-                before.top_logprobs + event.top_logprobs,
-            )
+            event = before.then(event)
         self._pending[tag] = (event, is_first)
         self._ready.set()
 
