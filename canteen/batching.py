@@ -22,8 +22,9 @@ class BatchConfig:
     max_num_seqs: int = 256
     """Most sequences in the running batch."""
     max_step_stall: float = 1.5
-    """While sequences decode, a step carrying prefill may take at most this many times a
-    decode-only step (learned from step timings); 0: only max_batched_tokens bounds it."""
+    """While sequences decode that were streaming when the held prompts arrived, a step
+    carrying prefill may take at most this many times a decode-only step (learned from step
+    timings); 0: only max_batched_tokens bounds it."""
     pipeline_depth: int = 2
     """Plans in flight per worker: 2 sends the next step while the worker computes this one."""
     watermark_blocks: int = 1
@@ -68,8 +69,9 @@ _HELP = {
     "max_batched_tokens": "most tokens one step computes (decode plus prefill)",
     "max_num_seqs": "most sequences in one worker's running batch",
     "max_step_stall": (
-        "while streams decode, a step carrying prefill may take at most this many times a "
-        "decode-only step (learned from step timings); 0: only --max-batched-tokens bounds it"
+        "while streams decode that were streaming when the held prompts arrived, a step "
+        "carrying prefill may take at most this many times a decode-only step (learned from "
+        "step timings); 0: only --max-batched-tokens bounds it"
     ),
     "pipeline_depth": (
         "plans in flight per worker: 2 builds and sends the next step while the worker "

@@ -6,7 +6,8 @@ Each step, under a token budget and a cap on running sequences:
     1. decode: every running sequence with one token to compute gets it
     2. prefill chunks of running sequences that are still reading their prompt; while
        sequences decode, prefill is also held to what keeps the step within
-       ``max_step_stall`` decode-only steps (scheduler/cost.py)
+       ``max_step_stall`` decode-only steps (scheduler/cost.py), for the sake of the
+       streams that were streaming before the held prompts arrived
     3. admission: waiting sequences (highest priority first, then oldest) while their
        next chunk's blocks plus a watermark are free
 
@@ -84,6 +85,7 @@ class BatchScheduler:
         self._pending_drops: list[str] = []
         self._in_flight: deque[tuple[StepPlan, dict[str, _Entry]]] = deque()
         self._admit_counter = 0
+        self._ticks = 0  # results applied so far
         self.cost = (
             StepCostModel(limits.max_step_stall, limits.min_prefill_chunk)
             if limits.max_step_stall
@@ -94,6 +96,9 @@ class BatchScheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
+        # A stream moved here mid-answer (failover) counts as streaming from its arrival.
+        seq.arrival_tick = self._ticks
+        seq.first_token_tick = self._ticks if seq.output_ids else None
         self.waiting.append(seq)
 
     def cancel(self, seq: Sequence) -> None:
@@ -175,8 +180,8 @@ class BatchScheduler:
         )
         budget = self._run(decoding, budget, chosen, in_plan, grants, drafts)
         if chosen and self.cost is not None:
-            waiting = len(prefilling) + len(self.waiting)
-            budget = min(budget, self.cost.prefill_budget(len(chosen), waiting))
+            held = [*prefilling, *self.waiting]
+            budget = min(budget, self.cost.budget(len(chosen), decoding, held, self._ticks))
         budget = self._run(prefilling, budget, chosen, in_plan)
         budget = self._admit(budget, chosen)
         drops, self._pending_drops = tuple(self._pending_drops), []
@@ -190,6 +195,7 @@ class BatchScheduler:
         if not self._in_flight or self._in_flight[0][0].step_id != result.step_id:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
         plan, entries = self._in_flight.popleft()
+        self._ticks += 1
         now = self._clock()
         since = None if self._last_result_at is None else now - self._last_result_at
         self._last_result_at = now
@@ -302,6 +308,8 @@ class BatchScheduler:
         if token.token_id in seq.stop_token_ids:
             self._finish(seq, Finish.STOP)
             return SeqEvent(seq, (), (), Finish.STOP)
+        if seq.first_token_tick is None:
+            seq.first_token_tick = self._ticks
         seq.output_ids.append(token.token_id)
         finish = None
         if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= seq.max_model_len:

@@ -14,12 +14,21 @@ streams wait for their first token than decode, the bound stretches by that rati
 stream is prefilled together instead of a chunk per step, while a single arrival next to a
 busy batch still takes its ``max_stall`` share.
 
+Only streams that were already streaming when the latest held prompt arrived are protected
+(the scheduler counts them): the first part of a burst, admitted a step before the rest, has
+no claim to be spared the rest's prefill, and with no protected stream the step is bounded
+only by ``max_batched_tokens``. Otherwise a burst that arrives over a few milliseconds
+would be prefilled a chunk per step behind its own first part, and every stream of it
+that started late would finish that many steps late, in steps with fewer streams.
+
 Noise must not turn into a stall: a line that does not rise is not trusted, and the budget
 at most doubles from one step to the next, so one bad fit costs one step of twice the
 chunk, never a whole prompt at once.
 """
 
 from __future__ import annotations
+
+from scheduler.sequence import Sequence
 
 DECAY = 0.97  # weight kept by the sums per step: about the last 30 steps count
 MIN_SPREAD = 4.0  # tokens of standard deviation in n before the slope is trusted
@@ -57,10 +66,15 @@ class StepCostModel:
             return None
         return max(mean_t - slope * mean_n, 0.0), slope
 
-    def prefill_budget(self, num_decodes: int, num_waiting: int = 0) -> int:
+    def prefill_budget(
+        self, num_decodes: int, num_waiting: int = 0, num_protected: int | None = None
+    ) -> int:
         """Prefill tokens a step with ``num_decodes`` decodes may add within the stall bound,
-        stretched by ``num_waiting / num_decodes`` when more streams wait for prefill."""
-        ratio = max(1.0, num_waiting / num_decodes) if num_decodes else 1.0
+        stretched by ``num_waiting / num_protected`` when more streams wait for prefill than
+        the bound protects (``num_protected``: the decoding streams it holds prefill back
+        for; all of them by default)."""
+        protected = num_decodes if num_protected is None else num_protected
+        ratio = max(1.0, num_waiting / protected) if protected else 1.0
         fitted = self.fit()
         if fitted is None:
             budget = int(self.min_chunk * ratio)  # small probes until the line is known
@@ -72,3 +86,23 @@ class StepCostModel:
         # Noise may at most double the budget of the last step, whatever the ratio was.
         self._last_budget = max(int(budget / ratio), self.min_chunk)
         return budget
+
+    def budget(
+        self, num_decodes: int, decoding: list[Sequence], held: list[Sequence], tick: int
+    ) -> int:
+        """The prefill budget of a step with ``num_decodes`` decodes, next to the
+        ``decoding`` streams, for the ``held`` prompts (``tick``: results applied so far).
+        Prompts are held back only for the streams that were streaming when the latest of
+        them arrived: streams that started after (the first part of a burst, admitted a
+        step before the rest) have no claim to be spared their prefill, so with none of the
+        former the step is unbounded here (``max_batched_tokens`` still bounds it)."""
+        latest = max((s.arrival_tick for s in held), default=tick)
+        protected = sum(
+            1 for s in decoding if s.first_token_tick is not None and s.first_token_tick <= latest
+        )
+        # Asked every step, so that the noise guard knows the last step's bound.
+        bound = self.prefill_budget(num_decodes, len(held), protected)
+        return bound if protected else UNBOUNDED
+
+
+UNBOUNDED = 1 << 62

@@ -60,6 +60,10 @@ class Sequence:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    # Results its batcher had applied when it joined, and when its first token came (None
+    # before): the stall bound protects only streams that streamed before a prompt arrived.
+    arrival_tick: int = 0
+    first_token_tick: int | None = None
     first_scheduled_time: float | None = None
     admit_order: int = 0
     traceparent: str = ""

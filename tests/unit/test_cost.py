@@ -133,3 +133,76 @@ def test_a_burst_next_to_one_running_stream_is_prefilled_in_one_step() -> None:
     while sched.has_work:
         sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
     assert [s.output_ids for s in burst] == [expected_tokens(s.prompt_ids, 8) for s in burst]
+
+
+def test_the_stretch_counts_only_the_streams_the_bound_protects() -> None:
+    model = StepCostModel(max_stall=2.0, min_chunk=16)
+    for n in [8, 8, 24, 8, 40, 8, 72, 8]:
+        model.observe(n, seconds(n))
+    assert model.prefill_budget(8, num_waiting=4) == 28  # 4 waiting, 8 protected: plain
+    # 8 decoding, one of them protected: 2 x 4 x (40 + 2*8) ms = 448 ms allows 204 tokens,
+    # 196 beyond the decodes.
+    assert model.prefill_budget(8, num_waiting=4, num_protected=1) == 196
+
+
+def test_a_burst_is_not_prefilled_a_chunk_a_step_behind_its_own_first_part() -> None:
+    """A burst larger than one step's token budget: the part admitted first has no claim
+    to be spared the rest's prefill, so the next step fills its whole budget with it."""
+    limits = BatchConfig(
+        max_batched_tokens=256,
+        max_num_seqs=32,
+        max_step_stall=2.0,
+        min_prefill_chunk=8,
+        pipeline_depth=1,
+    )
+    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
+    worker = TimedWorker(400)
+    warm = make_seq("warm", prompt_len=64, max_tokens=6)  # teaches the cost model its line
+    sched.add(warm)
+    while sched.has_work:
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    assert sched.cost is not None and sched.cost.fit() is not None
+    burst = [make_seq(f"b{i}", prompt_len=40, max_tokens=8) for i in range(15)]
+    for s in burst:
+        sched.add(s)
+    first = sched.schedule()
+    assert first is not None and first.num_tokens == 256  # 6 prompts and 16 of a 7th
+    sched.update(worker.step(first))
+    second = sched.schedule()
+    assert second is not None
+    # 6 decodes, and the whole rest of the budget for the burst's prefill (the protected
+    # rule would have allowed 2 x 1.5 x (40 + 2*6) ms = 156 ms: 52 tokens).
+    assert second.num_tokens == 256
+    assert sum(n for n in scheduled(second).values() if n == 1) == 6
+    sched.update(worker.step(second))
+    while sched.has_work:
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    assert [s.output_ids for s in burst] == [expected_tokens(s.prompt_ids, 8) for s in burst]
+
+
+def test_streams_that_streamed_before_a_prompt_arrived_keep_the_bound() -> None:
+    """The same burst next to streams already streaming: the bound holds for their sake,
+    stretched by waiting over protected streams."""
+    limits = BatchConfig(
+        max_batched_tokens=256,
+        max_num_seqs=32,
+        max_step_stall=2.0,
+        min_prefill_chunk=8,
+        pipeline_depth=1,
+    )
+    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
+    worker = TimedWorker(400)
+    streams = [make_seq(f"s{i}", prompt_len=8, max_tokens=200) for i in range(12)]
+    for s in streams:
+        sched.add(s)
+    for _ in range(4):
+        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    long = make_seq("long", prompt_len=120, max_tokens=4)
+    sched.add(long)
+    decode_only = seconds(12)
+    for _ in range(3):
+        plan = sched.schedule()
+        assert plan is not None and all(scheduled(plan)[s.request_id] == 1 for s in streams)
+        # one waiting against 12 protected: the plain bound, 2x a decode-only step
+        assert seconds(plan.num_tokens) <= 2.0 * decode_only + 1e-9
+        sched.update(worker.step(plan))
