@@ -95,13 +95,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (see above)")
     args = parser.parse_args()
+    widest = max(int(n) for n in args.streams.split(","))
     worker_args = ["--kv-cache-memory", "1GiB", "--dtype", "auto"]
     found: dict[tuple[str, int], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         with two_gateways(Path(tmp), args.tiny, worker_args) as (scheduler, gateways):
             client = NicedClient()
             for mode in MODES:  # warm both: tokenizer, channels, the shared stream
-                client.run(gateways[mode].address, questions(4, f"warm-{mode}"), 8)
+                client.run(gateways[mode].address, questions(widest, f"warm-{mode}"), 16)
             for r in range(args.rounds):
                 order = MODES if r % 2 == 0 else MODES[::-1]
                 for streams in (int(s) for s in args.streams.split(",")):

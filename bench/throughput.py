@@ -24,6 +24,7 @@ would otherwise take its share of the two cores from the worker, which the engin
 transformers sides never pay.
 
 Usage: python bench/throughput.py [--streams 16,32] [--tokens 64] [--rounds 2] [--json out]
+                                  [--scheduler-args "--max-step-stall 0"]
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import re
+import shlex
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,7 +55,7 @@ from bench.decode_step import cpu_model, linear_params, matmul_flops, read_bandw
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.support.suite import default_model_stack
+from tests.support.suite import Service, Stack, default_model_stack
 from worker.loader import LoadedModel, load_model
 from worker.runner import ModelRunner
 
@@ -198,7 +202,7 @@ def hf_single(model, prompts: list[list[int]], tokens: int) -> float:  # type: i
 
 def one_round(
     client: NicedClient,
-    gateway: str,
+    stack: Stack,
     runner: ModelRunner,
     hf: object,
     ids: Callable[[list[str]], list[list[int]]],
@@ -216,14 +220,42 @@ def one_round(
         step_ms.append(ms)
         return tps
 
+    suite_steps: list[float] = []
+
+    def suite() -> float:
+        before = worker_steps(stack.worker)
+        tps = client.run(stack.gateway.address, texts, tokens)
+        suite_steps.append(worker_steps(stack.worker) - before)
+        return tps
+
     run: dict[str, Callable[[], float]] = {
-        "suite": lambda: client.run(gateway, texts, tokens),
+        "suite": suite,
         "engine": engine,
         "hf_batch": lambda: hf_batch(hf, prompts, tokens),
     }
     order = list(run) if rnd % 2 == 0 else list(run)[::-1]
     got = {name: round(run[name](), 1) for name in order}
-    return {"streams": width, "round": rnd, "order": order, **got, "engine_ms": step_ms[0]}
+    # The engine runs every prompt from one step on: ``tokens`` steps. The suite's requests
+    # reach the scheduler over a few milliseconds, and prompts that arrive while others
+    # decode are prefilled in chunks within --max-step-stall: every extra step is another
+    # read of the weights.
+    return {
+        "streams": width,
+        "round": rnd,
+        "order": order,
+        **got,
+        "engine_ms": step_ms[0],
+        "engine_steps": tokens,
+        "suite_steps": int(suite_steps[0]),
+    }
+
+
+def worker_steps(worker: Service) -> float:
+    """Steps the worker ran so far (its ``canteen_worker_steps`` counter)."""
+    with urllib.request.urlopen(worker.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    found = re.findall(r"^canteen_worker_steps_total\{[^}]*\} (\S+)$", text, re.M)
+    return sum(float(n) for n in found)
 
 
 def worker_info(address: str) -> worker_pb2.WorkerInfo:
@@ -239,6 +271,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--scheduler-args",
+        default="",
+        help='extra scheduler flags for the suite, e.g. "--max-step-stall 0" (default: none)',
+    )
     args = parser.parse_args()
     path = default_model_path()
     if path is None:
@@ -263,7 +300,9 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         worker = ["--kv-cache-memory", "1GiB", "--dtype", "auto"]
-        with default_model_stack(Path(tmp), worker_args=worker) as s:
+        scheduler = shlex.split(args.scheduler_args)
+        report["scheduler_args"] = scheduler
+        with default_model_stack(Path(tmp), scheduler, worker) as s:
             info = worker_info(s.worker.address)
             quantization, device = info.quantization, torch.device(info.device)
             report.update(
@@ -312,9 +351,7 @@ def main() -> None:
             hf_batch(hf, ids(warm), 4)
             for width in widths:
                 for rnd in range(args.rounds):
-                    row = one_round(
-                        client, s.gateway.address, runner, hf, ids, width, rnd, args.tokens
-                    )
+                    row = one_round(client, s, runner, hf, ids, width, rnd, args.tokens)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             address = s.gateway.address

@@ -61,13 +61,30 @@ class GatewayMetrics:
             "Generation requests streaming now",
             registry=registry,
         )
+        self._series: dict[tuple[str, str], _Series] = {}
 
     def refused(self, status: str) -> None:
         """A request refused before it had a model (authentication, shape)."""
         self.requests.labels("", "", status).inc()
 
     def track(self, model: str, version: str, arrival: float) -> RequestTimer:
-        return RequestTimer(self, (model, version), arrival)
+        labels = (model, version)
+        series = self._series.get(labels)
+        if series is None:
+            series = self._series[labels] = _Series(
+                *(m.labels(*labels) for m in (self.ttft, self.itl, self.e2e, self.tpot))
+            )
+        return RequestTimer(self, labels, series, arrival)
+
+
+@dataclass(frozen=True)
+class _Series:
+    """One model version's latency histograms, looked up once rather than per token."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    tpot: Histogram
 
 
 @dataclass
@@ -76,6 +93,7 @@ class RequestTimer:
 
     metrics: GatewayMetrics
     labels: tuple[str, str]
+    series: _Series
     arrival: float
     first: float | None = None
     last: float | None = None
@@ -88,9 +106,9 @@ class RequestTimer:
         now = time.monotonic()
         if self.first is None:
             self.first = now
-            self.metrics.ttft.labels(*self.labels).observe(now - self.arrival)
+            self.series.ttft.observe(now - self.arrival)
         elif self.last is not None:
-            self.metrics.itl.labels(*self.labels).observe(now - self.last)
+            self.series.itl.observe(now - self.last)
         self.last = now
         self.num_tokens += count
 
@@ -105,6 +123,6 @@ class RequestTimer:
         m.cached_tokens.labels(*labels).inc(cached_tokens)
         if status != "OK" or self.first is None or self.last is None:
             return
-        m.e2e.labels(*labels).observe(self.last - self.arrival)
+        self.series.e2e.observe(self.last - self.arrival)
         if self.num_tokens > 1:
-            m.tpot.labels(*labels).observe((self.last - self.first) / (self.num_tokens - 1))
+            self.series.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
