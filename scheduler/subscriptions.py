@@ -4,7 +4,8 @@ A gateway opens a subscription once and names it in each Generate call with a ta
 choosing. The worker link delivers a subscribed request's events to a ``TokenSink`` instead
 of the request's own queue: tokens, and the finish with them, go to the subscription's next
 batch, where events of one step for every attached request become one message; the request's
-own queue gets only the end (finish or failure), which ends its Generate call. A per-request
+own queue gets a token-less event at its first token (its queue time is then known) and
+then only the end (finish or failure), which ends its Generate call. A per-request
 stream costs a message, a write and a wakeup per token; here a step costs one of each per
 gateway. A subscription belongs to the connection that opened it: a call on any other
 connection cannot attach to it (nor learn that it exists).
@@ -94,6 +95,10 @@ class TokenSink:
             return
         if event.finish is not Finish.FAILED:
             self._subscription.push(self._tag, event, self._is_first)
+            if self._is_first and event.finish is None:
+                # The caller learns when its request started (its queue time), not only
+                # when it ends: one token-less event, once.
+                self._own.put_nowait(SeqEvent(event.seq, (), ()))
             self._is_first = False
         if event.finish is not None:
             self._subscription.detach(self._tag)

@@ -45,6 +45,11 @@ def test_metrics_follow_one_request_and_fall_back(suite: TinySuite) -> None:
     assert value(s1, "canteen_batch_size", **MODEL) == 1
     assert _blocks(s1, "used") >= _blocks(s0, "used") + -(-usage.prompt_tokens // BLOCK_SIZE)
     assert value(gw1, "canteen_gateway_in_flight_requests") == 1
+    # The scheduler observes the queue time at the first token, not when the request ends
+    # (its tokens ride the gateway's shared stream, its own call only ends it).
+    assert value(s1, "canteen_queue_time_seconds_count", **MODEL) == (
+        value(s0, "canteen_queue_time_seconds_count", **MODEL) + 1
+    )
     assert value(gw1, "canteen_time_to_first_token_seconds_count", **MODEL) == value(
         gw0, "canteen_time_to_first_token_seconds_count", **MODEL
     ) + (1 if messages[0].token_ids else 0)

@@ -176,7 +176,7 @@ def test_a_burst_is_not_prefilled_a_chunk_a_step_behind_its_own_first_part() -> 
     assert sum(n for n in scheduled(second).values() if n == 1) == 6
     sched.update(worker.step(second))
     while sched.has_work:
-        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+        sched.update(worker.step(sched.schedule()))
     assert [s.output_ids for s in burst] == [expected_tokens(s.prompt_ids, 8) for s in burst]
 
 

@@ -68,9 +68,17 @@ async def test_a_subscription_sends_each_request_once_a_batch_and_ends_go_to_the
         (1, (5, 7), (-0.5, -1.0), None, True),
         (2, (6, 8), (-0.25, -2.0), Finish.LENGTH, True),
     ]
-    assert own_a.empty() and own_b.get_nowait().finish is Finish.LENGTH  # only the end
+    # The caller's own queue: a token-less event at the first token, then only the end.
+    for seq, own in ((a, own_a), (b, own_b)):
+        started = own.get_nowait()
+        assert (started.seq, started.token_ids, started.finish) == (seq, (), None)
+    assert own_a.empty() and own_b.get_nowait().finish is Finish.LENGTH and own_b.empty()
     sink_a.put_nowait(SeqEvent(a, (9,), (-3.0,)))
     assert [(tag, first) for tag, _, first in await subscription.next_batch()] == [(1, False)]
+    assert own_a.empty()  # once only
+    c, own_c = make_seq("c", prompt_len=2, max_tokens=1), asyncio.Queue[SeqEvent]()
+    subscription.attach(3, c, own_c).put_nowait(SeqEvent(c, (4,), (-0.1,), Finish.LENGTH))
+    assert own_c.get_nowait().finish is Finish.LENGTH and own_c.empty()  # first and last
     subscription.attach(2, b, own_b)  # b's tag is free again once b ended
 
 
