@@ -34,7 +34,9 @@ def configure_logging(service: str, level: str | None = None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (print() makes two when stderr is a file): processes that
+        # share a stderr, as `canteen up` and its children do, never split each other's lines.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
 

@@ -31,7 +31,9 @@ STOP_ORDER = ("gateway", "scheduler", "worker", "registry")
 
 
 def say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    """One line to stderr in one write, so a child's log line cannot land inside it."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 class SuiteBusyError(Exception):
