@@ -9,7 +9,15 @@ from canteen.plan import StepPlan, StepResult
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
-from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq, scheduled
+from tests.unit.test_batcher import (
+    BLOCK_SIZE,
+    FakeWorker,
+    expected_tokens,
+    make_seq,
+    run_until_done,
+    scheduled,
+    step,
+)
 
 A, B = 0.040, 0.002  # 40 ms per step plus 2 ms per token: a CPU-like worker
 
@@ -63,21 +71,26 @@ class TimedWorker(FakeWorker):
         )
 
 
-def test_a_long_prompt_never_stretches_a_decode_step_past_the_bound() -> None:
+def _stalled(max_batched_tokens: int, max_num_seqs: int) -> tuple[BatchScheduler, TimedWorker]:
+    """A batcher with a 2x stall bound and 8-token chunks, one plan at a time, and a
+    worker whose steps take ``seconds(tokens)``."""
     limits = BatchConfig(
-        max_batched_tokens=512,
-        max_num_seqs=16,
+        max_batched_tokens=max_batched_tokens,
+        max_num_seqs=max_num_seqs,
         max_step_stall=2.0,
         min_prefill_chunk=8,
         pipeline_depth=1,
     )
-    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
-    worker = TimedWorker(400)
+    return BatchScheduler(BlockPool(400, BLOCK_SIZE), limits), TimedWorker(400)
+
+
+def test_a_long_prompt_never_stretches_a_decode_step_past_the_bound() -> None:
+    sched, worker = _stalled(512, 16)
     streams = [make_seq(f"s{i}", prompt_len=4, max_tokens=200) for i in range(8)]
     for s in streams:
         sched.add(s)
     for _ in range(5):
-        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+        step(sched, worker)
     long = make_seq("long", prompt_len=600, max_tokens=4)
     sched.add(long)
     decode_only = seconds(8)
@@ -90,8 +103,7 @@ def test_a_long_prompt_never_stretches_a_decode_step_past_the_bound() -> None:
     # Probing chunks first, then chunks sized from the learned line: never above 2x.
     assert worst <= 2.0 + 1e-9
     assert len(worker.plans) < 5 + 600 // 8  # it did learn: chunks grew past the probe size
-    while sched.has_work:
-        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    run_until_done(sched, worker)
     assert long.output_ids == expected_tokens(long.prompt_ids, 4)
     assert streams[0].output_ids == expected_tokens(streams[0].prompt_ids, 200)
 
@@ -109,19 +121,11 @@ def test_more_waiting_than_decoding_streams_stretches_the_bound_by_their_ratio()
 
 
 def test_a_burst_next_to_one_running_stream_is_prefilled_in_one_step() -> None:
-    limits = BatchConfig(
-        max_batched_tokens=1024,
-        max_num_seqs=32,
-        max_step_stall=2.0,
-        min_prefill_chunk=8,
-        pipeline_depth=1,
-    )
-    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
-    worker = TimedWorker(400)
+    sched, worker = _stalled(1024, 32)
     first = make_seq("first", prompt_len=64, max_tokens=100)
     sched.add(first)
     for _ in range(6):
-        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+        step(sched, worker)
     burst = [make_seq(f"b{i}", prompt_len=40, max_tokens=8) for i in range(15)]
     for s in burst:
         sched.add(s)
@@ -130,8 +134,7 @@ def test_a_burst_next_to_one_running_stream_is_prefilled_in_one_step() -> None:
     # Every prompt of the burst, whole, next to the running stream's decode.
     assert scheduled(plan) == {"first": 1, **{s.request_id: 40 for s in burst}}
     sched.update(worker.step(plan))
-    while sched.has_work:
-        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    run_until_done(sched, worker)
     assert [s.output_ids for s in burst] == [expected_tokens(s.prompt_ids, 8) for s in burst]
 
 
@@ -148,19 +151,10 @@ def test_the_stretch_counts_only_the_streams_the_bound_protects() -> None:
 def test_a_burst_is_not_prefilled_a_chunk_a_step_behind_its_own_first_part() -> None:
     """A burst larger than one step's token budget: the part admitted first has no claim
     to be spared the rest's prefill, so the next step fills its whole budget with it."""
-    limits = BatchConfig(
-        max_batched_tokens=256,
-        max_num_seqs=32,
-        max_step_stall=2.0,
-        min_prefill_chunk=8,
-        pipeline_depth=1,
-    )
-    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
-    worker = TimedWorker(400)
+    sched, worker = _stalled(256, 32)
     warm = make_seq("warm", prompt_len=64, max_tokens=6)  # teaches the cost model its line
     sched.add(warm)
-    while sched.has_work:
-        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+    run_until_done(sched, worker)
     assert sched.cost is not None and sched.cost.fit() is not None
     burst = [make_seq(f"b{i}", prompt_len=40, max_tokens=8) for i in range(15)]
     for s in burst:
@@ -175,28 +169,19 @@ def test_a_burst_is_not_prefilled_a_chunk_a_step_behind_its_own_first_part() -> 
     assert second.num_tokens == 256
     assert sum(n for n in scheduled(second).values() if n == 1) == 6
     sched.update(worker.step(second))
-    while sched.has_work:
-        sched.update(worker.step(sched.schedule()))
+    run_until_done(sched, worker)
     assert [s.output_ids for s in burst] == [expected_tokens(s.prompt_ids, 8) for s in burst]
 
 
 def test_streams_that_streamed_before_a_prompt_arrived_keep_the_bound() -> None:
     """The same burst next to streams already streaming: the bound holds for their sake,
     stretched by waiting over protected streams."""
-    limits = BatchConfig(
-        max_batched_tokens=256,
-        max_num_seqs=32,
-        max_step_stall=2.0,
-        min_prefill_chunk=8,
-        pipeline_depth=1,
-    )
-    sched = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits)
-    worker = TimedWorker(400)
+    sched, worker = _stalled(256, 32)
     streams = [make_seq(f"s{i}", prompt_len=8, max_tokens=200) for i in range(12)]
     for s in streams:
         sched.add(s)
     for _ in range(4):
-        sched.update(worker.step(sched.schedule()))  # type: ignore[arg-type]
+        step(sched, worker)
     long = make_seq("long", prompt_len=120, max_tokens=4)
     sched.add(long)
     decode_only = seconds(12)
