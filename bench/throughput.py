@@ -34,13 +34,11 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
-import re
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,7 @@ from bench.decode_step import cpu_model, linear_params, matmul_flops, read_bandw
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.support.metrics import scrape, value
 from tests.support.suite import Service, Stack, default_model_stack
 from worker.loader import LoadedModel, load_model
 from worker.runner import ModelRunner
@@ -252,10 +251,7 @@ def one_round(
 
 def worker_steps(worker: Service) -> float:
     """Steps the worker ran so far (its ``canteen_worker_steps`` counter)."""
-    with urllib.request.urlopen(worker.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    found = re.findall(r"^canteen_worker_steps_total\{[^}]*\} (\S+)$", text, re.M)
-    return sum(float(n) for n in found)
+    return value(scrape(worker.metrics_url), "canteen_worker_steps_total")
 
 
 def worker_info(address: str) -> worker_pb2.WorkerInfo:
