@@ -1,10 +1,14 @@
-"""A decode step's linears: Canteen's skinny_linear vs oneDNN's prepacked matmul vs F.linear.
+"""A step's linears: Canteen's skinny_linear vs oneDNN's prepacked matmul vs F.linear.
 
 Every linear of a SmolLM2 step (30 layers of qkv, o, gate-up and down, and the head), each
 with weights of its own so that a pass reads them from memory as a step does, at each row
 count of --rows, in float32 and bfloat16 (--dtypes). The kernels alternate pass by pass in
 one process (the order reversed every other pass); the first pass of each is a warm-up.
 Reports the median and the best pass in ms, and each side's median over Canteen's.
+
+Canteen's kernel computes every row count in the default settings (a row's bits never
+depend on the batch); oneDNN is what it replaced for steps past a few rows (prefill chunks,
+wide batches), so the rows of a prefill (256, 512) belong in the comparison too.
 
 Usage: python bench/linears.py [--rows 1,4,8,16,32,64] [--dtypes float32,bfloat16] [--passes 8]
 """
@@ -25,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import cpu_model
 from worker import kernels
-from worker.quant import PackedLinear, can_pack, pack_lanes, skinny_rows
+from worker.quant import PackedLinear, can_pack, pack_lanes
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -92,9 +96,6 @@ def main() -> None:
             dtype = getattr(torch, name)
             side = sides(dtype)
             for rows in (int(r) for r in args.rows.split(",")):
-                if rows > skinny_rows(576, dtype):
-                    print(f"  {name} rows {rows}: past skinny_linear's {skinny_rows(576, dtype)}")
-                    continue
                 measure(side, rows, dtype, args.passes)
 
 

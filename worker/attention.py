@@ -38,6 +38,8 @@ class PrefillSpan:
     ctx_len: int
     block_ids: torch.Tensor
     slots: torch.Tensor  # the ctx_len slots of the sequence, in order (worker/model.py)
+    rows: torch.Tensor  # [q_len] the chunk's rows of the step: start, start + 1, ...
+    lens: torch.Tensor  # [q_len] each query's context: its position + 1
 
 
 @dataclass

@@ -102,8 +102,17 @@ class BatchBuilder:
         return (block_tables.unsqueeze(-1) * self.block_size + offsets).flatten(-2)
 
     def _prefill_span(self, start: int, q_len: int, ctx_len: int, blocks: list[int]) -> PrefillSpan:
-        block_ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        return PrefillSpan(start, q_len, ctx_len, block_ids, self._slots(block_ids)[:ctx_len])
+        device = self.device
+        block_ids = torch.tensor(blocks, dtype=torch.long, device=device)
+        return PrefillSpan(
+            start,
+            q_len,
+            ctx_len,
+            block_ids,
+            self._slots(block_ids)[:ctx_len],
+            rows=torch.arange(start, start + q_len, device=device),
+            lens=torch.arange(ctx_len - q_len + 1, ctx_len + 1, device=device),
+        )
 
     def _decode_group(self, group: list[tuple[int, list[int], int]]) -> DecodeGroup:
         device = self.device

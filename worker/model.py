@@ -29,7 +29,7 @@ from transformers import PreTrainedModel
 from canteen.logging import get_logger
 from worker import kernels
 from worker.attention import PagedBatch
-from worker.paged_attention import layer_view, paged_attention
+from worker.paged_attention import kernel_groups, layer_view, paged_attention
 from worker.quant import Linear, PackedLinear, Q4Groups, kernel_form, make_linear
 
 log = get_logger(__name__)
@@ -184,11 +184,10 @@ class Layer:
 @dataclass(frozen=True)
 class Stack:
     """What canteen::decode_layers (worker/kernels/stack.cpp) takes of every layer: the same
-    ops as ``Layer``, in one call, for decode steps of up to ``max_rows`` rows."""
+    ops as ``Layer``, in one call, for every step."""
 
     weights: list[torch.Tensor]  # per layer: the two norms, then (a, b, bias) per linear
     sizes: list[int]  # per layer: each linear's output features
-    max_rows: int
     eps: float
 
 
@@ -196,7 +195,7 @@ def _stack(layers: list[Layer]) -> Stack | None:
     """The layers as one op takes them, where every layer runs on Canteen's kernels: norms,
     SiLU gate, no q/k norms, and linears with a kernel of their own."""
     weights: list[torch.Tensor] = []
-    sizes, max_rows, eps = [], 1 << 30, set[float]()
+    sizes, eps = [], set[float]()
     for layer in layers:
         norms = [n for n in (layer.input_norm, layer.post_norm) if isinstance(n, _KernelNorm)]
         if not layer.fused_act or layer.q_norm is not None or layer.k_norm is not None:
@@ -211,10 +210,9 @@ def _stack(layers: list[Layer]) -> Stack | None:
                 return None
             weights += form[0]
             sizes.append(form[1])
-            max_rows = min(max_rows, form[2])
     if not layers or len(eps) != 1:
         return None
-    return Stack(weights, sizes, max_rows, eps.pop())
+    return Stack(weights, sizes, eps.pop())
 
 
 class FastModel:
@@ -288,7 +286,7 @@ class FastModel:
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # signed for _rotate
         stack = self.stack
-        if stack is not None and not batch.prefills and x.shape[0] <= stack.max_rows:
+        if stack is not None:
             x = self._decode_layers(stack, x, cos, sin, batch)
         else:
             for i, layer in enumerate(self.layers):
@@ -301,9 +299,7 @@ class FastModel:
     ) -> torch.Tensor:
         """Every layer in one op (the Layer ops, bit for bit, without the Python between)."""
         s = self.shape
-        groups = [
-            t for g in b.decodes for t in (g.slots.view(g.lens.shape[0], -1), g.lens, g.index)
-        ]
+        groups = [t for g in kernel_groups(b) for t in g]
         out: torch.Tensor = torch.ops.canteen.decode_layers(
             x,
             b.kv_pool,

@@ -10,9 +10,12 @@ a batched matmul wants:
                    repeat of the shared KV heads)
 
 The slot indices and the padding bias are built once per step (worker/runner.py) and shared
-by every layer. On the CPU, decode rows go to Canteen's own kernel
-(``torch.ops.canteen.paged_decode_into``, worker/kernels/), which reads each row's slots in place;
-elsewhere, or without the kernel, torch has no op that reads blocks in place, so each layer
+by every layer. On the CPU, every query goes to Canteen's own kernel
+(``torch.ops.canteen.paged_decode_into``, worker/kernels/), which reads each row's slots in
+place: a decode row over its own slots, each query of a prefill chunk over its sequence's
+slots up to its own position. One kernel for every query, reducing over keys in position
+order, so a token's attention output is the same bits whichever step computed it (README,
+Exactness). Elsewhere, or without the kernel, torch has no op that reads blocks in place, so each layer
 copies the keys and values it attends over once: measured here (1 thread, batch 16, 112
 tokens of context, bfloat16) that copy is 43 us of the 220 us a layer's decode attention
 takes, where indexing ``pool[block_tables]`` into transformers' SDPA path took 2,060 us.
@@ -45,20 +48,32 @@ def paged_attention(
     pool[0].index_copy_(1, batch.slot_mapping, k.transpose(0, 1))
     pool[1].index_copy_(1, batch.slot_mapping, v.transpose(0, 1))
     out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    in_place = q.device.type == "cpu" and kernels.available()
-    q = q.contiguous() if in_place else q
+    if q.device.type == "cpu" and kernels.available():
+        # Canteen's kernel: each query from q straight into out, slots read in place
+        q = q.contiguous()
+        for slots, lens, rows, tables in kernel_groups(batch):
+            torch.ops.canteen.paged_decode_into(out, q, pool, slots, lens, rows, scale, tables)
+        return out
     for group in batch.decodes:
-        if in_place:  # Canteen's kernel: each row from q straight into out, slots read in place
-            slots = group.slots.view(group.lens.shape[0], -1)
-            torch.ops.canteen.paged_decode_into(out, q, pool, slots, group.lens, group.index, scale)
-        else:
-            rows = q.index_select(0, group.index)
-            out.index_copy_(0, group.index, _decode(pool, rows, group, scale))
+        rows = q.index_select(0, group.index)
+        out.index_copy_(0, group.index, _decode(pool, rows, group, scale))
     for span in batch.prefills:
         end = span.start + span.q_len
         chunk = slice(span.start, end)
         out[chunk] = _prefill(pool, q[chunk], k[chunk], v[chunk], span, scale, batch.max_scores)
     return out
+
+
+def kernel_groups(batch: PagedBatch) -> list[tuple[torch.Tensor, ...]]:
+    """The step's queries as paged_decode_into takes them: (slots [S, W], lens [B], rows [B],
+    tables [B], or empty where row b reads table b), one entry per decode group and per
+    prefill chunk."""
+    none = torch.empty(0, dtype=torch.long)
+    groups = [(g.slots.view(g.lens.shape[0], -1), g.lens, g.index, none) for g in batch.decodes]
+    for span in batch.prefills:
+        table = span.slots.view(1, -1)
+        groups.append((table, span.lens, span.rows, torch.zeros_like(span.rows)))
+    return groups
 
 
 def _decode(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:

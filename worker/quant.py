@@ -1,9 +1,9 @@
 """Linear layers prepared once at load for the device's matmul kernel.
 
-    none  dense weights in the model's dtype: on CPU prepacked for oneDNN with rows padded to
-          a bounded set of buckets (PackedLinear); on CUDA, and float16, ``F.linear``. On
-          CPU, the rows of a decode step go through Canteen's skinny_linear instead
-          (bfloat16 and float32), from a second copy of the weights in its own layout.
+    none  dense weights in the model's dtype: on CPU with Canteen's kernels (bfloat16 and
+          float32), every step through Canteen's skinny_linear, from the weights in its own
+          layout (LanesLinear); on a CPU without them, prepacked for oneDNN with rows padded
+          to a bounded set of buckets (PackedLinear); on CUDA, and float16, ``F.linear``.
     int8  one int8 per weight, one scale per output row: ``torch._weight_int8pack_mm``.
     int4  4-bit weights in groups of 32 along the input, each group with a scale and a zero
           point: ``aten._weight_int4pack_mm_for_cpu``. Its dequantized weight is
@@ -72,38 +72,14 @@ def q4_from_float(weight: torch.Tensor) -> Q4Groups:
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-# Up to this many rows, a bfloat16 step reads the weights through Canteen's kernel
-# (worker/kernels/dense.cpp: each weight loaded once for all rows, 16 outputs per vector).
-# Measured here (AMD EPYC Zen 4, two threads, every linear of a SmolLM2 step, weights out of
-# cache, alternating, median ms): 1-3 rows at the memory's read speed like oneDNN's, 5 rows
-# 12-14 against the old per-row kernel's 21-25, 8 rows 12-17 against oneDNN's 18-24, 12 rows
-# 20-23 against 26-29; 16 rows 31-32 against 25-27, so oneDNN from 13 rows on. Each row's
-# sums do not depend on the other rows, so up to 12 rows a batch's outputs are each row's
-# alone. Five rows is one stream verifying four drafts.
-SKINNY_ROWS = 12
-# With AMX (Xeon, Sapphire Rapids on) and K a multiple of 32, the kernel multiplies tiles of
-# 16 rows instead (dense.cpp, amx_linear), up to 32 rows. Measured on a 2-core Xeon with AMX
-# (every linear of a SmolLM2 step, weights out of cache, ms): 9.1-9.6 for 1 to 16 rows and
-# 12 for 24-32, against oneDNN's 12.4-12.8 and 15.1, and against 19 (8 rows) and 43 (12 rows)
-# for the AVX512-BF16 dot products on that CPU.
-
-# float32 (dense_float.cpp, one fused multiply-add per weight and row, sums along K in
-# order): up to the 64 rows the kernel takes; oneDNN's GEMM from there on. Measured on an AMD
-# EPYC with AVX2 (2026-12-05, `python bench/linears.py`, a step's 121 linears from memory,
-# median ms): 18.0 / 25.3 / 37.4 / 59.5 / 106.4 at 1 / 8 / 16 / 32 / 64 rows against
-# oneDNN's 24.5 / 34.8 / 48.2 / 74.0 / 133.1.
+# bfloat16 and float32 on the CPU (Canteen's kernels loaded): every step, whatever its row
+# count, goes through Canteen's own kernel (worker/kernels/dense.cpp, dense_float.cpp): each
+# output's sum runs along K in one fixed order that does not depend on the rows beside it, so
+# a sequence's logits are the same bits alone, in a batch of any width, in a prefill chunk or
+# while verifying drafts (README, Exactness). oneDNN's GEMM blocks K by the row count, so its
+# bits change with the batch; it is kept only where Canteen's kernels are not (no compiler,
+# CANTEEN_KERNELS=0). Measured: docs/kernels.md and `python bench/linears.py`.
 SKINNY_DTYPES = (torch.bfloat16, torch.float32)
-# Where oneDNN cannot pack the weights (bfloat16 on AVX2), steps of up to this many rows go
-# through skinny_linear in pieces of skinny_rows rather than through F.linear.
-DENSE_CHUNKED_ROWS = 64
-
-
-def skinny_rows(in_features: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """The most rows skinny_linear takes for ``dtype`` inputs of ``in_features`` on this
-    machine (0 without Canteen's kernels)."""
-    if not kernels.available():
-        return 0
-    return int(torch.ops.canteen.skinny_rows(in_features, dtype == torch.float32))
 
 
 def row_bucket(rows: int) -> int:
@@ -124,61 +100,38 @@ def pack_lanes(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, LANES, -(-k // per), per).transpose(1, 2).contiguous()
 
 
-class _Skinny:
-    """Steps of a few rows read a CPU linear's weights through Canteen's own kernel
-    (worker/kernels/dense.cpp for bfloat16, dense_float.cpp for float32, up to
-    ``skinny_rows``), in a layout of its own kept beside the weight the other rows use."""
+class LanesLinear:
+    """A CPU linear in bfloat16 or float32 through Canteen's kernel for every row count, from
+    its own layout of the weights (pack_lanes)."""
 
-    bias: torch.Tensor | None
-    out_features: int
-    lanes: torch.Tensor | None = None
-    skinny_rows = 0
-
-    def _keep_lanes(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features = weight.shape[0]
-        if weight.device.type != "cpu" or weight.dtype not in SKINNY_DTYPES:
-            return
-        if not kernels.available():
-            return
-        self.lanes = pack_lanes(weight)
-        self.skinny_rows = skinny_rows(weight.shape[1], weight.dtype)
+        self.lanes = pack_lanes(weight.contiguous())
+        self.bias = bias
 
-    def _skinny(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.lanes is None or x.shape[0] > self.skinny_rows:
-            return None
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = torch.ops.canteen.skinny_linear(
             x, self.lanes, self.out_features, self.bias
         )
         return out
 
 
-class DenseLinear(_Skinny):
-    """``F.linear`` on the weight as loaded: CUDA, float16, and bfloat16 where oneDNN cannot
-    prepack it on this CPU (AVX2 without AVX-512; decode rows through Canteen's kernel)."""
+class DenseLinear:
+    """``F.linear`` on the weight as loaded: CUDA, float16, and CPUs without Canteen's kernels
+    where oneDNN cannot prepack the weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
-        self._keep_lanes(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        skinny = self._skinny(x)
-        if skinny is not None:
-            return skinny
-        most = self.skinny_rows
-        if most and x.shape[0] <= DENSE_CHUNKED_ROWS:
-            # torch's bfloat16 matmul without oneDNN is several times slower than the
-            # kernel taking the rows a few at a time (README, Speed): up to 64 rows.
-            return torch.cat([self(x[lo : lo + most]) for lo in range(0, x.shape[0], most)])
         return F.linear(x, self.weight, self.bias)
 
 
-class PackedLinear(_Skinny):
-    """bfloat16 or float32 on CPU: the weight reordered once into oneDNN's blocked layout,
-    rows padded to ROW_BUCKETS. Measured here (README, Speed): bfloat16 decode shapes 1.3-2x
-    faster than ``F.linear``, float32 batch 16-32 about 2x faster than MKL's, and float32
-    tokens still exactly transformers' (tests/unit/test_fast_forward.py,
-    tests/e2e/test_dtypes.py)."""
+class PackedLinear:
+    """bfloat16 or float32 on a CPU without Canteen's kernels: the weight reordered once into
+    oneDNN's blocked layout, rows padded to ROW_BUCKETS. A row's bits depend on the step's
+    row count here (oneDNN blocks K by shape): exactness across batches needs the kernels."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.in_features, self.dtype = weight.shape[1], weight.dtype
@@ -186,12 +139,8 @@ class PackedLinear(_Skinny):
         # corrupts the heap).
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.bias = bias
-        self._keep_lanes(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        skinny = self._skinny(x)
-        if skinny is not None:
-            return skinny
         rows, most = x.shape[0], ROW_BUCKETS[-1]
         if rows > most:
             return torch.cat([self(x[lo : lo + most]) for lo in range(0, rows, most)])
@@ -209,6 +158,11 @@ class PackedLinear(_Skinny):
             self(torch.zeros(rows, self.in_features, dtype=self.dtype))
 
 
+def uses_lanes(weight: torch.Tensor) -> bool:
+    """Whether Canteen's kernel computes this weight's linear (CPU, bfloat16 or float32)."""
+    return weight.device.type == "cpu" and weight.dtype in SKINNY_DTYPES and kernels.available()
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
@@ -220,8 +174,9 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-# Rows of a step an int8 or int4 layer sends through Canteen's quant_linear (int8
-# activations, integer dot products): all of them. It takes eight rows at a time against each
+# An int8 or int4 layer sends every row of a step through Canteen's quant_linear (int8
+# activations, integer dot products; each row's sums its own, group by group along K, so a
+# row's bits do not depend on the batch). It takes eight rows at a time against each
 # block of weights while the block is in L1. Measured on the Xeon with AMX (2026-12-04, two
 # threads, SmolLM2's four linear shapes times 30 layers, weights in cache): int4 1.7 / 8.7 /
 # 33 / 126 ms at 1 / 16 / 64 / 256 rows against 3.8 / 22 / 87 / 340 for torch's int4 kernel,
@@ -229,7 +184,6 @@ def can_pack(weight: torch.Tensor) -> bool:
 # one row: 34-47 GB/s of 4-bit weights against 14-16 GB/s. Quantizing the activations with
 # AVX-512 (the same int8 values; 2026-12-05, three alternating runs against the scalar loop)
 # took int4 to 1.55-1.60 / 7.6-8.0 / 27-29 / 110-115 ms.
-QUANT_ROWS = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -333,17 +287,16 @@ class Int4Linear(_LowBitLinear):
         return out if self.bias is None else out + self.bias
 
 
-def kernel_form(linear: Linear) -> tuple[list[torch.Tensor], int, int] | None:
+def kernel_form(linear: Linear) -> tuple[list[torch.Tensor], int] | None:
     """``linear`` as canteen::decode_layers takes it (worker/kernels/stack.cpp): its (a, b,
-    bias) tensors, its output features and the most rows its kernel takes; None where no
-    kernel of Canteen's computes it."""
+    bias) tensors and its output features; None where no kernel of Canteen's computes it."""
     none = torch.empty(0)
-    if isinstance(linear, _Skinny) and linear.lanes is not None:
+    if isinstance(linear, LanesLinear):
         bias = none if linear.bias is None else linear.bias
-        return [linear.lanes, none, bias], linear.out_features, linear.skinny_rows
+        return [linear.lanes, none, bias], linear.out_features
     if isinstance(linear, _LowBitLinear) and linear.packed is not None:
         packed, bias = linear.packed, none if linear.bias is None else linear.bias
-        return [packed.weights, packed.scales, bias], packed.out_features, QUANT_ROWS
+        return [packed.weights, packed.scales, bias], packed.out_features
     return None
 
 
@@ -355,6 +308,8 @@ def make_linear(
 ) -> Linear:
     """The layer for ``weight`` [out, in]; ``q4`` carries exact 4-bit values when known."""
     if quantization == "none":
+        if uses_lanes(weight):
+            return LanesLinear(weight, bias)
         return PackedLinear(weight, bias) if can_pack(weight) else DenseLinear(weight, bias)
     if quantization == "int8":
         return Int8Linear(weight, bias)

@@ -237,14 +237,25 @@ void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots
     for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(w.acc[h * dim + d] / w.total[h]);
 }
 
-// Decode attention of rows[b] for b < B, written into out[rows[b]]: q [T, heads, D] (the
-// step's queries), pool [2, kv_heads, slots, D] (one layer), slots [B, W], lens [B] <= W.
+// The b-th row to compute when B rows go in order 0, B-1, 1, B-2, ...: a prefill's rows
+// attend over 1, 2, ..., n keys, and at::parallel_for hands each thread a contiguous range,
+// so this order gives each thread as many keys as the other.
+inline int64_t zigzag(int64_t i, int64_t batch) { return i % 2 == 0 ? i / 2 : batch - 1 - i / 2; }
+
+// Attention of rows[b] for b < B, each one query over the first lens[b] slots of its slot
+// table, written into out[rows[b]]: q [T, heads, D] (the step's queries), pool [2, kv_heads,
+// slots, D] (one layer), slots [S, W], lens [B] <= W, and tables [B] (row b reads slot table
+// tables[b]; without it, table b). A decode row has a table of its own; the rows of a
+// prefill chunk share their sequence's one. Every row goes through decode_one, whatever
+// it is: a query's softmax and weighted sum reduce over its keys in position order, so its
+// output is the same bits in a decode step, in a prefill chunk, after a preemption or
+// behind a prefix-cache hit.
 void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& pool,
                        const at::Tensor& slots, const at::Tensor& lens, const at::Tensor& rows,
-                       double scale) {
+                       double scale, const c10::optional<at::Tensor>& tables) {
   TORCH_CHECK(q.dim() == 3 && pool.dim() == 4 && slots.dim() == 2 && lens.dim() == 1 &&
                   rows.dim() == 1 && out.dim() == 2,
-              "paged_decode: out [T, H * D], q [T, H, D], pool [2, KVH, S, D], slots [B, W], "
+              "paged_decode: out [T, H * D], q [T, H, D], pool [2, KVH, S, D], slots [S, W], "
               "lens [B], rows [B]");
   TORCH_CHECK(pool.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
               "paged_decode: q, pool and out dtypes differ");
@@ -257,20 +268,32 @@ void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
   const auto rc = rows.contiguous();
   const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = pool.size(1), num_slots = pool.size(2), width = sc.size(1);
-  const int64_t batch = sc.size(0);
-  TORCH_CHECK(pool.size(3) == dim && heads % kv_heads == 0 && lc.size(0) == batch &&
-                  rc.size(0) == batch && out.size(0) == tokens && out.size(1) == heads * dim,
+  const int64_t batch = lc.size(0), num_tables = sc.size(0);
+  TORCH_CHECK(pool.size(3) == dim && heads % kv_heads == 0 && rc.size(0) == batch &&
+                  out.size(0) == tokens && out.size(1) == heads * dim,
               "paged_decode: shapes disagree");
+  at::Tensor tc;
+  if (tables.has_value() && tables->defined()) {
+    TORCH_CHECK(tables->dim() == 1 && tables->size(0) == batch && tables->scalar_type() == at::kLong,
+                "paged_decode: tables int64 [B]");
+    tc = tables->contiguous();
+  } else {
+    TORCH_CHECK(num_tables == batch, "paged_decode: slots [B, W] without tables");
+  }
   const int64_t group = heads / kv_heads;
   const int64_t* slot_ptr = sc.data_ptr<int64_t>();
   const int64_t* len_ptr = lc.data_ptr<int64_t>();
   const int64_t* row_ptr = rc.data_ptr<int64_t>();
+  const int64_t* table_ptr = tc.defined() ? tc.data_ptr<int64_t>() : nullptr;
+  for (int64_t t = 0; t < num_tables; ++t)
+    for (int64_t j = 0; j < width; ++j)
+      TORCH_CHECK(slot_ptr[t * width + j] >= 0 && slot_ptr[t * width + j] < num_slots,
+                  "paged_decode: slots out of range");
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= width, "paged_decode: lens out of range");
     TORCH_CHECK(row_ptr[b] >= 0 && row_ptr[b] < tokens, "paged_decode: rows out of range");
-    for (int64_t j = 0; j < len_ptr[b]; ++j)
-      TORCH_CHECK(slot_ptr[b * width + j] >= 0 && slot_ptr[b * width + j] < num_slots,
-                  "paged_decode: slots out of range");
+    TORCH_CHECK(!table_ptr || (table_ptr[b] >= 0 && table_ptr[b] < num_tables),
+                "paged_decode: tables out of range");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
@@ -279,10 +302,11 @@ void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / kv_heads, g = task % kv_heads;
+        const int64_t b = zigzag(task / kv_heads, batch), g = task % kv_heads;
+        const int64_t table = table_ptr ? table_ptr[b] : b;
         const int64_t at_q = (row_ptr[b] * heads + g * group) * dim;
         decode_one<scalar_t>(qp + at_q, kp + g * num_slots * dim, vp + g * num_slots * dim,
-                             slot_ptr + b * width, len_ptr[b], group, dim,
+                             slot_ptr + table * width, len_ptr[b], group, dim,
                              static_cast<float>(scale), op + at_q);
       }
     });
@@ -294,7 +318,7 @@ void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
 TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def(
       "paged_decode_into(Tensor(a!) out, Tensor q, Tensor pool, Tensor slots, Tensor lens, "
-      "Tensor rows, float scale) -> ()");
+      "Tensor rows, float scale, Tensor? tables=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("paged_decode_into", &paged_decode_into); }

@@ -194,11 +194,9 @@ inline const T* residual_rows(const c10::optional<at::Tensor>& residual, const a
   return residual->data_ptr<T>();
 }
 
-// dense_float.cpp: skinny_linear for float32 x (dense.cpp's op dispatches to it), and the
-// most rows it takes.
+// dense_float.cpp: skinny_linear for float32 x (dense.cpp's op dispatches to it).
 at::Tensor skinny_linear_float(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
                                const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& residual, bool gate);
-int64_t skinny_rows_float();
 
 }  // namespace canteen

@@ -1,6 +1,9 @@
-// canteen::skinny_linear: bfloat16 x @ w^T (+ bias) for the few rows of a decode step (one
-// row per sequence, or one sequence and the drafts it verifies), every weight read once.
-// float32 inputs go to dense_float.cpp's kernel, with a layout of their own.
+// canteen::skinny_linear: bfloat16 x @ w^T (+ bias) for every row count a step has: the rows
+// of a decode step, the drafts a sequence verifies, a prefill chunk. Every row's outputs are
+// computed by the same instructions in the same order whatever the rows beside it, so a
+// sequence gets the same bits alone or in any batch (README, Exactness). Each weight block is
+// read from memory once for all rows. float32 inputs go to dense_float.cpp's kernel, with a
+// layout of their own.
 //
 // Layout (worker/quant.py, pack_lanes): output rows in blocks of 16, one 32-bit lane per row
 // holding a pair of adjacent weights, so one AVX512-BF16 dot product (vdpbf16ps) adds the
@@ -93,27 +96,33 @@ constexpr int blocks_for_rows(int rows) { return rows <= 2 ? 4 : rows <= 8 ? 3 :
 constexpr int kMaxBlocks = 4;
 
 using LaneFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*);
-template <int... R>
-constexpr std::array<LaneFn, sizeof...(R)> wide_dots(std::integer_sequence<int, R...>) {
-  return {lane_dots<R + 1, blocks_for_rows(R + 1)>...};
-}
 template <int Blocks, int... R>
 constexpr std::array<LaneFn, sizeof...(R)> fixed_dots(std::integer_sequence<int, R...>) {
   return {lane_dots<R + 1, Blocks>...};
 }
-constexpr auto kWideDots = wide_dots(std::make_integer_sequence<int, kMaxRows>{});
-constexpr auto kOneDots = fixed_dots<1>(std::make_integer_sequence<int, kMaxRows>{});
-constexpr auto kTwoDots = fixed_dots<2>(std::make_integer_sequence<int, kMaxRows>{});
+// kDots[blocks - 1][rows - 1]
+using RowFns = std::array<LaneFn, kMaxRows>;
+constexpr std::array<RowFns, kMaxBlocks> kDots = {
+    fixed_dots<1>(std::make_integer_sequence<int, kMaxRows>{}),
+    fixed_dots<2>(std::make_integer_sequence<int, kMaxRows>{}),
+    fixed_dots<3>(std::make_integer_sequence<int, kMaxRows>{}),
+    fixed_dots<4>(std::make_integer_sequence<int, kMaxRows>{}),
+};
+
+// The rows of a register tile when ``rows`` rows go in tiles of at most kMaxRows, as even as
+// can be (13 rows: 7 and 6). A tile's size never changes a row's sums, only the speed.
+int64_t tile_rows(int64_t rows) {
+  const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
+  return (rows + tiles - 1) / tiles;
+}
 
 #if defined(CANTEEN_AMX)
 // With AMX (Xeon Sapphire Rapids on), one TDPBF16PS multiplies 16 rows of x by a 16 x 32
 // tile of the weight, and the lanes layout is already AMX's B tile: for a block b, the 16
-// pairs p in [16c, 16c + 16) are 16 rows of 64 bytes, one kilobyte in a row. So up to
-// kAmxRows rows (x zero-padded to 16 or 32) cost one read of the weights, as one row does,
-// where the AVX512-BF16 dot products above run out of registers past a few rows. Every
-// output is the same float32 sum along K whatever the row count, so a row's result does not
-// depend on the rows beside it.
-constexpr int kAmxRows = 32;
+// pairs p in [16c, 16c + 16) are 16 rows of 64 bytes, one kilobyte in a row. Rows go 32 at
+// a time (two tiles) against a task's blocks while they stay in cache. Every output is the
+// same float32 sum along K, tile of K by tile of K, whatever the row count, so a row's result
+// does not depend on the rows beside it; a machine with AMX takes it for every row count.
 constexpr int64_t kTile = 16;          // rows of a tile, and pairs of K per tile
 constexpr int64_t kTileBytes = 1024;   // 16 rows x 64 bytes
 constexpr int kAmxBlocks = 4;          // C tiles 0-3, x in tile 4, weights in tiles 5-7
@@ -217,21 +226,21 @@ using Amx2Fn = void (*)(const uint8_t*, int64_t, int64_t, const uint8_t* const*,
 constexpr Amx2Fn kAmx2Fns[2] = {amx_blocks2<1>, amx_blocks2<2>};
 
 // A task finishes ``units`` of 16 outputs: one block each, or with a gate two (the gate's
-// block and the up block ``half`` blocks on).
+// block and the up block ``half`` blocks on), for every row of x, 32 rows (two tiles) at a
+// time while its weights stay in cache.
 void amx_linear(const at::Tensor& x, const uint8_t* w, int64_t n, const Finish& fin) {
-  const int64_t rows = x.size(0), k = x.size(1), groups_of_rows = (rows + kTile - 1) / kTile;
+  const int64_t rows = x.size(0), k = x.size(1), pass_rows = 2 * kTile;
   const int64_t blocks = (n + kLanes - 1) / kLanes, chunks = k / 32, block_bytes = chunks * kTileBytes;
   const auto* xb = reinterpret_cast<const uint8_t*>(x.data_ptr<at::BFloat16>());
   const bool gate = fin.inner > 0;
   const int64_t half = gate ? blocks / 2 : 0, units = gate ? half : blocks;
   // blocks a task takes: four for one tile of rows, two for two (the C tiles are four), and
   // fewer where that leaves under 16 tasks, so two threads split a small linear evenly
-  int per_task = (groups_of_rows == 1 ? kAmxBlocks : 2) / (gate ? 2 : 1);
+  int per_task = (rows <= kTile ? kAmxBlocks : 2) / (gate ? 2 : 1);
   while (per_task > 1 && units < 16 * per_task) per_task /= 2;
   const int64_t tasks = (units + per_task - 1) / per_task;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    const TileConfig config(rows);
-    _tile_loadconfig(&config);
+    int64_t configured = 0;  // the rows the loaded tile configuration holds
     alignas(64) float sums[2 * kAmxBlocks * kTile * kLanes];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t first = t * per_task;
@@ -242,72 +251,82 @@ void amx_linear(const at::Tensor& x, const uint8_t* w, int64_t n, const Finish& 
         if (gate) ws[count + i] = w + (half + first + i) * block_bytes;
       }
       const int used = gate ? 2 * count : count;
-      if (groups_of_rows == 1)
-        kAmxFns[used - 1](xb, k * 2, ws, chunks, sums);
-      else
-        kAmx2Fns[used - 1](xb, k * 2, kTile * k * 2, ws, chunks, sums);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* row = sums + (r / kTile) * used * kTile * kLanes + (r % kTile) * kLanes;
-        for (int i = 0; i < count; ++i) {
-          const int64_t j = (first + i) * kLanes;
-          if (gate)
-            fin.gate(r, j, row + i * kTile * kLanes, row + (count + i) * kTile * kLanes);
-          else
-            fin.store(r, j, row + i * kTile * kLanes);
+      for (int64_t r0 = 0; r0 < rows; r0 += pass_rows) {
+        const int64_t pass = std::min(pass_rows, rows - r0);
+        if (pass != configured) {
+          const TileConfig config(pass);
+          _tile_loadconfig(&config);
+          configured = pass;
+        }
+        const uint8_t* xr = xb + r0 * k * 2;
+        if (pass <= kTile)
+          kAmxFns[used - 1](xr, k * 2, ws, chunks, sums);
+        else
+          kAmx2Fns[used - 1](xr, k * 2, kTile * k * 2, ws, chunks, sums);
+        for (int64_t r = 0; r < pass; ++r) {
+          const float* row = sums + (r / kTile) * used * kTile * kLanes + (r % kTile) * kLanes;
+          for (int i = 0; i < count; ++i) {
+            const int64_t j = (first + i) * kLanes;
+            if (gate)
+              fin.gate(r0 + r, j, row + i * kTile * kLanes, row + (count + i) * kTile * kLanes);
+            else
+              fin.store(r0 + r, j, row + i * kTile * kLanes);
+          }
         }
       }
     }
-    _tile_release();
+    if (configured) _tile_release();
   });
 }
 
-bool amx_takes(int64_t rows, int64_t k) { return rows <= kAmxRows && k % 32 == 0 && amx_ready(); }
+// Whether AMX takes this linear: by its K alone, never by the row count, so a row's sums
+// come from the same instructions whatever the step's width.
+bool amx_takes(int64_t k) { return k % 32 == 0 && amx_ready(); }
 #else
-bool amx_takes(int64_t, int64_t) { return false; }
+bool amx_takes(int64_t) { return false; }
 #endif
-
-// The most rows skinny_linear takes for an input of k features on this machine.
-int64_t skinny_rows(int64_t k, bool float32) {
-  if (float32) return canteen::skinny_rows_float();
-#if defined(CANTEEN_AMX)
-  if (amx_takes(kAmxRows, k)) return kAmxRows;
-#endif
-  return kMaxRows;
-}
 
 // The AVX512-BF16 (or plain) dot products: a task's blocks go ``wide`` at a time, or with a
-// gate as pairs of the gate's block and the up block ``half`` blocks on.
+// gate as pairs of the gate's block and the up block ``half`` blocks on; for each, every row
+// of x in register tiles, so a block's weights are read from memory once for all rows.
 void lanes_linear(const std::vector<uint32_t>& xp, int64_t rows, int64_t pairs, const uint32_t* wp,
                   int64_t blocks, const Finish& fin) {
-  const int64_t block_words = pairs * kLanes;
+  const int64_t block_words = pairs * kLanes, tile = tile_rows(rows);
+  // One tile of rows at ``blk``, ``count`` blocks ``apart`` words apart; then finished.
+  auto tiles = [&](int64_t blk, int count, int64_t apart, float* sums) {
+    for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+      const int64_t n = std::min(tile, rows - r0);
+      kDots[count - 1][n - 1](xp.data() + r0 * pairs, pairs, wp + blk * block_words, apart, sums);
+      for (int64_t r = 0; r < n; ++r) {
+        if (fin.inner > 0) {
+          fin.gate(r0 + r, blk * kLanes, sums + r * 2 * kLanes, sums + (r * 2 + 1) * kLanes);
+          continue;
+        }
+        for (int b = 0; b < count; ++b)
+          fin.store(r0 + r, (blk + b) * kLanes, sums + (r * count + b) * kLanes);
+      }
+    }
+  };
   if (fin.inner > 0) {
     const int64_t half = blocks / 2;
-    const LaneFn two_dots = kTwoDots[rows - 1];
     at::parallel_for(0, half, 2, [&](int64_t begin, int64_t end) {
       float sums[kMaxRows * 2 * kLanes];
-      for (int64_t blk = begin; blk < end; ++blk) {
-        two_dots(xp.data(), pairs, wp + blk * block_words, half * block_words, sums);
-        for (int64_t r = 0; r < rows; ++r)
-          fin.gate(r, blk * kLanes, sums + r * 2 * kLanes, sums + (r * 2 + 1) * kLanes);
-      }
+      for (int64_t blk = begin; blk < end; ++blk) tiles(blk, 2, half * block_words, sums);
     });
     return;
   }
-  const int wide = blocks_for_rows(static_cast<int>(rows));
-  const LaneFn wide_dots = kWideDots[rows - 1], one_dots = kOneDots[rows - 1];
+  const int wide = blocks_for_rows(static_cast<int>(tile));
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
     float sums[kMaxRows * kMaxBlocks * kLanes];
     for (int64_t blk = begin; blk < end;) {
       const int count = end - blk >= wide ? wide : 1;
-      (count == wide ? wide_dots : one_dots)(xp.data(), pairs, wp + blk * block_words, block_words, sums);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int b = 0; b < count; ++b) fin.store(r, (blk + b) * kLanes, sums + (r * count + b) * kLanes);
+      tiles(blk, count, block_words, sums);
       blk += count;
     }
   });
 }
 
-// x [M <= skinny_rows(K), K] bfloat16 @ the weight [n, K]^T (+ bias), the weight in
+// x [M, K] bfloat16 (any M) @ the weight [n, K]^T (+ bias), the weight in
 // pack_lanes' layout, finished plainly, onto ``residual`` [M, n], or through the SiLU gate
 // (``gate``: outputs [gate | up], half of them a multiple of 16; returns [M, n / 2]).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
@@ -316,8 +335,6 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "skinny_linear: x bfloat16 or float32 [M, K]");
   if (x.scalar_type() == at::kFloat) return canteen::skinny_linear_float(x, lanes, n, bias, residual, gate);
-  TORCH_CHECK(x.size(0) <= skinny_rows(x.size(1), false), "skinny_linear: at most ", skinny_rows(x.size(1), false),
-              " rows of ", x.size(1), " features here, got ", x.size(0));
   const int64_t rows = x.size(0), k = x.size(1), pairs = (k + 1) / 2, blocks = (n + kLanes - 1) / kLanes;
   TORCH_CHECK(lanes.scalar_type() == at::kBFloat16 &&
                   lanes.sizes() == at::IntArrayRef({blocks, pairs, kLanes, 2}),
@@ -330,7 +347,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
   if (rows == 0) return out;
   const auto xc = x.contiguous(), lc = lanes.contiguous();
 #if defined(CANTEEN_AMX)
-  if (amx_takes(rows, k)) {
+  if (amx_takes(k)) {
     amx_linear(xc, reinterpret_cast<const uint8_t*>(lc.data_ptr<at::BFloat16>()), n, fin);
     return out;
   }
@@ -346,7 +363,6 @@ TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def(
       "skinny_linear(Tensor x, Tensor lanes, int n, Tensor? bias, Tensor? residual=None, "
       "bool gate=False) -> Tensor");
-  m.def("skinny_rows(int k, bool float32=False) -> int", &skinny_rows);
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("skinny_linear", &skinny_linear); }

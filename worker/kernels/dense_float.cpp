@@ -1,5 +1,5 @@
-// canteen::skinny_linear for float32: x @ w^T (+ bias) for the few rows of a decode step,
-// every weight read once from memory (dense.cpp holds the bfloat16 kernel and the op).
+// canteen::skinny_linear for float32: x @ w^T (+ bias) for any number of rows, every weight
+// read once from memory (dense.cpp holds the bfloat16 kernel and the op).
 //
 // oneDNN's float32 matmul reads SmolLM2's weights at about half the machine's read speed at
 // one row and reaches a third of its own GEMM speed at 16 (AMD EPYC, AVX2; README, Speed).
@@ -77,7 +77,7 @@ constexpr int kTileRows = 6;
 constexpr int blocks_for(int rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 #endif
 constexpr int kMostBlocks = 4;
-constexpr int64_t kMaxRows = 64;  // rows of x a call takes (worker/quant.py reads it: skinny_rows)
+constexpr int64_t kChunkRows = 64;  // rows whose sums a task holds at once (on its stack)
 
 using DotFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
 template <int Blocks, int... R>
@@ -92,8 +92,8 @@ constexpr std::array<Row, kMostBlocks> kDots = {
     dots_for<4>(std::make_integer_sequence<int, kTileRows>{}),
 };
 
-// All rows of x against ``count`` blocks at ``w``, a register tile of rows at a time (the
-// blocks stay in cache between tiles): sums[r * count * 16 + 16 b + l].
+// Rows [0, rows) of x, rows <= kChunkRows, against ``count`` blocks at ``w``, a register tile
+// of rows at a time (the blocks stay in cache between tiles): sums[r * count * 16 + 16 b + l].
 void block_sums(const float* x, int64_t rows, int64_t k, const float* w, int64_t block, int count,
                 float* sums) {
   const int64_t stride = count * kLanes;
@@ -105,25 +105,46 @@ void block_sums(const float* x, int64_t rows, int64_t k, const float* w, int64_t
 
 using FloatFinish = canteen::Finish<float>;
 
+// Every row of x against one unit of blocks, kChunkRows rows at a time: ``sums_of(x, n,
+// sums)`` fills a chunk's sums and ``finish(first, n, sums)`` stores them.
+template <typename Sums, typename Done>
+void all_rows(const float* x, int64_t rows, int64_t k, float* sums, Sums sums_of, Done finish) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kChunkRows) {
+    const int64_t n = std::min(kChunkRows, rows - r0);
+    sums_of(x + r0 * k, n, sums);
+    finish(r0, n, sums);
+  }
+}
+
 // A gate block and its up block ``half`` blocks on: in one pass as two blocks where the
 // register tile has room for both (one row: 5% faster on AVX2), else one after the other.
 void gated(const float* x, int64_t rows, int64_t k, const float* w, int64_t blocks, const FloatFinish& fin) {
   const int64_t half = blocks / 2, block = k * kLanes;
   const bool paired = blocks_for(static_cast<int>(std::min<int64_t>(rows, kTileRows))) >= 2;
   at::parallel_for(0, half, 2, [&](int64_t begin, int64_t end) {
-    float sums[kMaxRows * 2 * kLanes];
-    float* gate = sums;
-    float* up = sums + kMaxRows * kLanes;
+    float sums[kChunkRows * 2 * kLanes];
+    float* up = sums + kChunkRows * kLanes;
     for (int64_t blk = begin; blk < end; ++blk) {
+      const float* gw = w + blk * block;
+      const float* uw = w + (blk + half) * block;
       if (paired) {  // sums[r * 32 + l]: the gate's, then the up block's at + 16
-        block_sums(x, rows, k, w + blk * block, half * block, 2, sums);
-        for (int64_t r = 0; r < rows; ++r)
-          fin.gate(r, blk * kLanes, sums + r * 2 * kLanes, sums + (r * 2 + 1) * kLanes);
+        all_rows(
+            x, rows, k, sums, [&](const float* xs, int64_t n, float* s) { block_sums(xs, n, k, gw, half * block, 2, s); },
+            [&](int64_t r0, int64_t n, const float* s) {
+              for (int64_t r = 0; r < n; ++r)
+                fin.gate(r0 + r, blk * kLanes, s + r * 2 * kLanes, s + (r * 2 + 1) * kLanes);
+            });
         continue;
       }
-      block_sums(x, rows, k, w + blk * block, block, 1, gate);
-      block_sums(x, rows, k, w + (blk + half) * block, block, 1, up);
-      for (int64_t r = 0; r < rows; ++r) fin.gate(r, blk * kLanes, gate + r * kLanes, up + r * kLanes);
+      all_rows(
+          x, rows, k, sums,
+          [&](const float* xs, int64_t n, float* s) {
+            block_sums(xs, n, k, gw, block, 1, s);
+            block_sums(xs, n, k, uw, block, 1, up);
+          },
+          [&](int64_t r0, int64_t n, const float* s) {
+            for (int64_t r = 0; r < n; ++r) fin.gate(r0 + r, blk * kLanes, s + r * kLanes, up + r * kLanes);
+          });
     }
   });
 }
@@ -132,12 +153,16 @@ void plain(const float* x, int64_t rows, int64_t k, const float* w, int64_t bloc
   const int64_t block = k * kLanes;
   const int wide = blocks_for(static_cast<int>(std::min<int64_t>(rows, kTileRows)));
   at::parallel_for(0, blocks, 4, [&](int64_t begin, int64_t end) {
-    float sums[kMaxRows * kMostBlocks * kLanes];
+    float sums[kChunkRows * kMostBlocks * kLanes];
     for (int64_t blk = begin; blk < end;) {
       const int count = static_cast<int>(std::min<int64_t>(wide, end - blk));
-      block_sums(x, rows, k, w + blk * block, block, count, sums);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int b = 0; b < count; ++b) fin.store(r, (blk + b) * kLanes, sums + (r * count + b) * kLanes);
+      all_rows(
+          x, rows, k, sums,
+          [&](const float* xs, int64_t n, float* s) { block_sums(xs, n, k, w + blk * block, block, count, s); },
+          [&](int64_t r0, int64_t n, const float* s) {
+            for (int64_t r = 0; r < n; ++r)
+              for (int b = 0; b < count; ++b) fin.store(r0 + r, (blk + b) * kLanes, s + (r * count + b) * kLanes);
+          });
       blk += count;
     }
   });
@@ -145,13 +170,9 @@ void plain(const float* x, int64_t rows, int64_t k, const float* w, int64_t bloc
 
 }  // namespace
 
-int64_t skinny_rows_float() { return kMaxRows; }
-
 at::Tensor skinny_linear_float(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
                                const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& residual, bool gate) {
-  TORCH_CHECK(x.size(0) <= kMaxRows, "skinny_linear: at most ", kMaxRows, " rows of float32, got ",
-              x.size(0));
   const int64_t rows = x.size(0), k = x.size(1), blocks = (n + kLanes - 1) / kLanes;
   TORCH_CHECK(lanes.scalar_type() == at::kFloat &&
                   lanes.sizes() == at::IntArrayRef({blocks, k, kLanes, 1}),

@@ -2,19 +2,21 @@
 //
 // worker/model.py's Layer runs about fifteen ops per layer; for the one row of a single
 // stream (or a draft model's forwards) each op's Python and dispatch cost, times thirty
-// layers, is a third of the step. This op runs the same ops, in the same order, on the same
+// layers, is a third of the step. It takes every step the kernels can compute: decode rows,
+// verified drafts and prefill chunks alike. This op runs the same ops, in the same order, on the same
 // kernels (canteen::rms_norm, skinny_linear or quant_linear, rotary_kv, paged_decode_into,
 // silu_mul; torch's arithmetic), so its outputs are the Python path's bit for bit;
 // only the Python between them is gone, and the residual adds and the SiLU gate finish
-// inside the linears before them (the same bits, a pass and an op fewer each). worker/model.py decides when it applies (CPU
-// kernels, a llama-like layer without q/k norms, linears with a kernel for the row count,
-// decode rows only) and keeps the Python path otherwise.
+// inside the linears before them (the same bits, a pass and an op fewer each).
+// worker/model.py decides when it applies (CPU kernels, a llama-like layer without q/k norms,
+// linears with a kernel of Canteen's) and keeps the Python path otherwise.
 //
 // Per layer, ``weights`` holds 14 tensors: the two norms' weights, then for the qkv, o,
 // gate-up and down linears (a, b, bias): skinny_linear's lanes and an empty b, or
 // quant_linear's packed weights and scales; an empty bias for none. ``sizes`` holds each
-// linear's output features. ``groups`` holds 3 tensors per decode group: slots [B, W], lens
-// [B], rows [B], as paged_decode_into takes them.
+// linear's output features. ``groups`` holds 4 tensors per attention group: slots [S, W],
+// lens [B], rows [B] and tables [B] (empty: row b reads table b), as paged_decode_into takes
+// them.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -43,7 +45,8 @@ struct Ops {
                                       const at::Tensor&)>
       rotary;
   c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double)>
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                const Opt&)>
       attend;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_mul;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&,
@@ -66,7 +69,7 @@ struct Ops {
               .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&)>(),
           find("canteen::paged_decode_into")
               .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const at::Tensor&, double)>(),
+                          const at::Tensor&, const at::Tensor&, double, const Opt&)>(),
           find("canteen::silu_mul").typed<at::Tensor(const at::Tensor&)>(),
           find("canteen::rotary_kv")
               .typed<at::Tensor(const at::Tensor&, int64_t, int64_t, const at::Tensor&,
@@ -94,7 +97,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
                   static_cast<int64_t>(sizes.size()) == layers * kLinears,
               "decode_layers: 14 weights and 4 sizes per layer");
-  TORCH_CHECK(groups.size() % 3 == 0, "decode_layers: groups of (slots, lens, rows)");
+  TORCH_CHECK(groups.size() % 4 == 0, "decode_layers: groups of (slots, lens, rows, tables)");
   const Ops& ops = Ops::get();
   at::Tensor x = x_in;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -105,8 +108,8 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
     auto pool_layer = pool;  // rotary_kv writes the keys and values through it
     const auto q = ops.rotary_kv.call(qkv, heads, kv_heads, cos, sin, pool_layer, slot_mapping);
     auto attended = at::empty({tokens, heads * dim}, q.options());
-    for (size_t g = 0; g < groups.size(); g += 3)
-      ops.attend.call(attended, q, pool, groups[g], groups[g + 1], groups[g + 2], scale);
+    for (size_t g = 0; g < groups.size(); g += 4)
+      ops.attend.call(attended, q, pool, groups[g], groups[g + 1], groups[g + 2], scale, given(groups[g + 3]));
     // the residual adds and the SiLU gate finish inside the linears where they can (common.h)
     x = residual == 1.0 ? ops.linear(attended, w + 5, n[1], x) : x + ops.linear(attended, w + 5, n[1]) * residual;
     const auto normed = ops.norm.call(x, w[1], eps);
