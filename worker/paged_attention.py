@@ -52,7 +52,8 @@ def paged_attention(
         # Canteen's kernel: each query from q straight into out, slots read in place
         q = q.contiguous()
         for slots, lens, rows, tables in kernel_groups(batch):
-            torch.ops.canteen.paged_decode_into(out, q, pool, slots, lens, rows, scale, tables)
+            each = tables if tables.numel() else None  # None: row b reads table b
+            torch.ops.canteen.paged_decode_into(out, q, pool, slots, lens, rows, scale, each)
         return out
     for group in batch.decodes:
         rows = q.index_select(0, group.index)

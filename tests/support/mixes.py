@@ -49,25 +49,29 @@ class _Blocks:
         return tuple(range(first, self.next))
 
 
-def run_mix(runner: ModelRunner, arrivals: list[Arrival], max_steps: int = 10_000) -> dict[str, Sampled]:
-    """Every arrival's greedy (token, logprob) pairs, the mix run in one runner."""
+def run_mix(
+    runner: ModelRunner, arrivals: list[Arrival], drafts: int = 0, max_steps: int = 10_000
+) -> dict[str, Sampled]:
+    """Every arrival's greedy (token, logprob) pairs, the mix run in one runner; ``drafts``:
+    the draft tokens each decoding sequence may verify per step (speculation)."""
     runner.reset()
     bs, pool = runner.block_size, _Blocks()
     waiting = sorted(arrivals, key=lambda a: a.at_step)
     live: dict[str, _Live] = {}
+    started: dict[str, _Live] = {}  # every sequence so far: a finished one's blocks stay cached
     done: dict[str, Sampled] = {}
     drops: list[str] = []
     for step in range(max_steps):
         new: list[NewSequence] = []
         for a in list(waiting):
-            donor = live.get(a.cached_from or "")
+            donor = started.get(a.cached_from or "")
             if a.at_step > step or (a.cached_from and (donor is None or donor.computed < a.num_cached)):
                 continue
             waiting.remove(a)
             shared = donor.blocks[: a.num_cached // bs] if donor else ()
             total = runner.blocks_for(len(a.prompt) + a.new)
             seq = _Live(a, shared + pool.take(total - len(shared)), list(a.prompt), computed=len(shared) * bs)
-            live[a.seq_id] = seq
+            live[a.seq_id] = started[a.seq_id] = seq
             new.append(NewSequence(a.seq_id, tuple(a.prompt), Sampling(0.0), seq.blocks, seq.computed))
         for seq in live.values():  # a preempted sequence comes back with what it generated
             if seq.preempted and seq.arrival.seq_id not in drops:
@@ -75,11 +79,7 @@ def run_mix(runner: ModelRunner, arrivals: list[Arrival], max_steps: int = 10_00
                 seq.blocks = pool.take(len(seq.blocks))
                 prompt = len(seq.arrival.prompt)
                 new.append(NewSequence(seq.arrival.seq_id, tuple(seq.tokens), Sampling(0.0), seq.blocks, 0, num_prompt_tokens=prompt))
-        scheduled = [
-            ScheduledSequence(s.arrival.seq_id, _tokens_this_step(s))
-            for s in live.values()
-            if not s.preempted
-        ]
+        scheduled = [_schedule(s, drafts) for s in live.values() if not s.preempted]
         if not scheduled and not waiting and not drops:
             return done
         result = runner.step(StepPlan(step, tuple(new), tuple(scheduled), tuple(drops)))
@@ -88,9 +88,12 @@ def run_mix(runner: ModelRunner, arrivals: list[Arrival], max_steps: int = 10_00
         for item in scheduled:
             live[item.seq_id].computed += item.num_tokens
         for token in result.tokens:
-            seq = live[token.seq_id]
+            seq = live.get(token.seq_id)
+            if seq is None or seq.preempted:
+                continue  # past its last token (drafts verified beyond ``new``)
             seq.out.append((token.token_id, token.logprob))
             seq.tokens.append(token.token_id)
+            seq.computed = len(seq.tokens) - 1  # verified drafts are computed too
             a = seq.arrival
             if len(seq.out) == a.new:
                 done[token.seq_id] = seq.out
@@ -103,9 +106,12 @@ def run_mix(runner: ModelRunner, arrivals: list[Arrival], max_steps: int = 10_00
     raise AssertionError(f"the mix did not finish in {max_steps} steps")
 
 
-def _tokens_this_step(seq: _Live) -> int:
+def _schedule(seq: _Live, drafts: int) -> ScheduledSequence:
     left = len(seq.tokens) - seq.computed
-    return min(left, seq.arrival.chunk) if left > 1 else 1
+    if left > 1:
+        return ScheduledSequence(seq.arrival.seq_id, min(left, seq.arrival.chunk))
+    room = seq.arrival.new - len(seq.out) - 1  # drafts past the last token are wasted
+    return ScheduledSequence(seq.arrival.seq_id, 1, num_draft_tokens=max(min(drafts, room), 0))
 
 
 def alone(runner: ModelRunner, arrival: Arrival) -> Sampled:

@@ -78,6 +78,43 @@ def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype, dim: i
     assert torch.equal(_kernel(pool, q, group), got)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [24, 64])
+def test_a_query_gets_the_same_bits_alone_in_a_prefill_chunk_or_among_other_rows(
+    dtype: torch.dtype, dim: int
+) -> None:
+    """One kernel for every query: a token's attention is the same bits computed as a decode
+    row alone, as one of a prefill chunk's queries sharing its sequence's slot table (keys
+    written this step or long cached are all read from the pool), and among other sequences'
+    rows of any width."""
+    g = torch.Generator().manual_seed(dim)
+    heads, kv_heads, slots_in_pool = 6, 2, 400
+    pool = torch.randn(2, kv_heads, slots_in_pool, dim, generator=g).to(dtype)
+    table = torch.randperm(slots_in_pool, generator=g)[:90].view(1, -1)  # scattered slots
+    q = torch.randn(70, heads, dim, generator=g).to(dtype)
+    attend = torch.ops.canteen.paged_decode_into
+
+    def alone(row: int, length: int) -> torch.Tensor:
+        out = torch.zeros(70, heads * dim, dtype=dtype)
+        attend(out, q, pool, table, torch.tensor([length]), torch.tensor([row]), 0.125)
+        return out[row]
+
+    # a chunk of 50 queries after 40 cached positions: query i sees positions 0..40 + i
+    chunk = torch.zeros(70, heads * dim, dtype=dtype)
+    rows, lens = torch.arange(50), torch.arange(41, 91)
+    attend(chunk, q, pool, table, lens, rows, 0.125, torch.zeros(50, dtype=torch.long))
+    for i in range(50):
+        assert torch.equal(chunk[i], alone(i, 41 + i)), i
+    # the same chunk beside 20 decode rows of other sequences (tables 1..20), in one call
+    others = torch.randint(0, slots_in_pool, (20, 90), generator=g)
+    tables = torch.cat([table, others])
+    mixed = torch.zeros(70, heads * dim, dtype=dtype)
+    every_row, every_len = torch.arange(70), torch.cat([lens, torch.randint(1, 91, (20,))])
+    which = torch.cat([torch.zeros(50, dtype=torch.long), torch.arange(1, 21)])
+    attend(mixed, q, pool, tables, every_len, every_row, 0.125, which)
+    assert torch.equal(mixed[:50], chunk[:50])
+
+
 @pytest.mark.parametrize(
     ("lens", "rows", "error"),
     [([3], [0], "lens out of range"), ([2], [1], "rows out of range"), ([2], [0], "slots out")],
@@ -136,16 +173,19 @@ def test_without_a_compiler_the_worker_keeps_pure_torch(tmp_path: Path) -> None:
         (16, 72, 64),
         (17, 333, 576),
         (32, 50, 96),
+        # past a register tile (12 rows) or two tiles of AMX rows (32): prefill chunks
+        (13, 200, 72),
+        (33, 50, 96),
+        (70, 333, 576),
+        (300, 64, 40),
     ],
 )
 def test_skinny_linear_is_the_bfloat16_matmul(rows: int, n: int, k: int) -> None:
-    """A few rows through Canteen's kernel: float32 sums of bfloat16 products, like
+    """Any number of rows through Canteen's kernel: float32 sums of bfloat16 products, like
     oneDNN's, so the outputs agree up to the rounding of a differently ordered sum. N not a
     multiple of 16 (nor of the blocks the kernel takes at once) and an odd K included."""
-    from worker.quant import PackedLinear, pack_lanes, skinny_rows
+    from worker.quant import LanesLinear, make_linear, pack_lanes
 
-    if rows > skinny_rows(k):
-        pytest.skip(f"{rows} rows of {k} need AMX; this CPU's kernel takes {skinny_rows(k)}")
     torch.manual_seed(2)
     weight = (torch.randn(n, k) * 0.1).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16)
@@ -157,24 +197,26 @@ def test_skinny_linear_is_the_bfloat16_matmul(rows: int, n: int, k: int) -> None
     torch.testing.assert_close(
         plain, (x.float() @ weight.float().T).to(torch.bfloat16), atol=0, rtol=2**-7
     )
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # oneDNN packs bfloat16 on this CPU
-        assert torch.equal(PackedLinear(weight, bias)(x), got)  # the layer takes this path
+    layer = make_linear(weight, bias, "none")
+    assert isinstance(layer, LanesLinear) and torch.equal(layer(x), got)  # the default path
 
 
-def test_each_rows_outputs_are_its_own_whatever_the_batch() -> None:
-    """A row's sums do not depend on the rows beside it: a prompt decoded alone gets the
-    same bfloat16 outputs as in a batch of up to skinny_rows (12, or 32 with AMX; oneDNN's
-    differ by shape)."""
-    from worker.quant import pack_lanes, skinny_rows
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [576, 1536, 40])  # SmolLM2's two inputs; 40: never AMX tiles
+def test_each_rows_outputs_are_its_own_whatever_the_batch(dtype: torch.dtype, k: int) -> None:
+    """A row's sums do not depend on the rows beside it: a row computed alone gets the same
+    bits as among 1..64 other rows, and in a 300-row prefill chunk (oneDNN's differ by
+    shape)."""
+    from worker.quant import pack_lanes
 
-    torch.manual_seed(4)
-    most = skinny_rows(576)
-    weight, x = torch.randn(100, 576).bfloat16(), torch.randn(most, 576).bfloat16()
+    g = torch.Generator().manual_seed(k)
+    weight = torch.randn(100, k, generator=g).to(dtype)
+    x = torch.randn(300, k, generator=g).to(dtype)
     lanes = pack_lanes(weight)
-    batched = torch.ops.canteen.skinny_linear(x, lanes, 100, None)
-    for r in range(most):
-        alone = torch.ops.canteen.skinny_linear(x[r : r + 1], lanes, 100, None)
-        assert torch.equal(alone[0], batched[r])
+    linear = torch.ops.canteen.skinny_linear
+    alone = torch.cat([linear(x[r : r + 1], lanes, 100, None) for r in range(300)])
+    for rows in (*range(2, 66), 300):
+        assert torch.equal(linear(x[:rows], lanes, 100, None), alone[:rows]), rows
 
 
 @pytest.mark.parametrize(
@@ -193,7 +235,7 @@ def test_float32_skinny_linear_is_the_float32_matmul(rows: int, n: int, k: int) 
     """float32 rows through dense_float.cpp: each output one fused multiply-add per weight,
     along K in order, so within a few float32 roundings of the exact product (computed in
     float64); N past whole blocks and register tiles, odd K, rows past one tile included."""
-    from worker.quant import PackedLinear, pack_lanes
+    from worker.quant import LanesLinear, make_linear, pack_lanes
 
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(n, k) * 0.1, torch.randn(n), torch.randn(rows, k)
@@ -206,43 +248,8 @@ def test_float32_skinny_linear_is_the_float32_matmul(rows: int, n: int, k: int) 
     assert ((got.double() - (exact + bias.double())).abs() <= bound + 2**-23).all()
     plain = torch.ops.canteen.skinny_linear(x, lanes, n, None)
     assert ((plain.double() - exact).abs() <= bound).all()
-    layer = PackedLinear(weight, bias)
-    assert layer.skinny_rows == 64 and torch.equal(layer(x), got)  # the layer takes this path
-
-
-def test_float32_rows_get_the_same_bits_alone_or_batched() -> None:
-    """A float32 row's sums do not depend on the rows beside it (one row, one register tile
-    or several): a sequence decoded alone and in a batch of up to 64 gets the same logits."""
-    from worker.quant import pack_lanes
-
-    torch.manual_seed(5)
-    weight, x = torch.randn(100, 576), torch.randn(64, 576)
-    lanes = pack_lanes(weight)
-    for rows in (64, 13, 6, 2):
-        batched = torch.ops.canteen.skinny_linear(x[:rows], lanes, 100, None)
-        for r in (0, rows // 2, rows - 1):
-            alone = torch.ops.canteen.skinny_linear(x[r : r + 1], lanes, 100, None)
-            assert torch.equal(alone[0], batched[r])
-
-
-def test_bfloat16_without_onednn_takes_the_kernel_a_few_rows_at_a_time() -> None:
-    """Where oneDNN cannot pack bfloat16 (AVX2), DenseLinear sends steps of up to 64 rows
-    through skinny_linear in pieces: each row's outputs are still its own, and match the
-    matmul; past 64 rows F.linear takes over."""
-    from worker.quant import DENSE_CHUNKED_ROWS, DenseLinear
-
-    torch.manual_seed(6)
-    weight, bias = (torch.randn(200, 96) * 0.1).bfloat16(), torch.randn(200).bfloat16()
-    layer = DenseLinear(weight, bias)
-    assert layer.lanes is not None and 0 < layer.skinny_rows < DENSE_CHUNKED_ROWS
-    x = torch.randn(DENSE_CHUNKED_ROWS + 1, 96).bfloat16()
-    exact = x.float() @ weight.float().T + bias.float()
-    for rows in (layer.skinny_rows + 1, DENSE_CHUNKED_ROWS):
-        got = layer(x[:rows])
-        torch.testing.assert_close(got.float(), exact[:rows], atol=1e-2, rtol=2**-7)
-        for r in (0, rows - 1):
-            assert torch.equal(layer(x[r : r + 1])[0], got[r])
-    torch.testing.assert_close(layer(x), F.linear(x, weight, bias), atol=0, rtol=0)
+    layer = make_linear(weight, bias, "none")
+    assert isinstance(layer, LanesLinear) and torch.equal(layer(x), got)  # the default path
 
 
 def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
@@ -250,24 +257,10 @@ def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
 
     lanes = pack_lanes(torch.randn(20, 64).bfloat16())
     x = torch.randn(2, 64).bfloat16()
-    most = torch.ops.canteen.skinny_rows(64)
-    assert most in (12, 32)  # 32: AMX tiles (K = 64 is two of them)
-    too_many = torch.randn(most + 1, 64).bfloat16()
-    with pytest.raises(
-        RuntimeError, match=f"at most {most} rows of 64 features here, got {most + 1}"
-    ):
-        torch.ops.canteen.skinny_linear(too_many, lanes, 20, None)
-    odd = pack_lanes(torch.randn(20, 40).bfloat16())  # K not a multiple of 32: never AMX
-    with pytest.raises(RuntimeError, match="at most 12 rows of 40 features here, got 13"):
-        torch.ops.canteen.skinny_linear(torch.randn(13, 40).bfloat16(), odd, 20, None)
     with pytest.raises(RuntimeError, match="x bfloat16 or float32"):
         torch.ops.canteen.skinny_linear(x.half(), lanes, 20, None)
     with pytest.raises(RuntimeError, match=r"lanes float32 \[ceil\(N / 16\), K, 16, 1\]"):
         torch.ops.canteen.skinny_linear(x.float(), lanes, 20, None)  # bfloat16's layout
-    with pytest.raises(RuntimeError, match="at most 64 rows of float32, got 65"):
-        torch.ops.canteen.skinny_linear(
-            torch.randn(65, 64), pack_lanes(torch.randn(20, 64)), 20, None
-        )
     with pytest.raises(RuntimeError, match="for x's K"):
         torch.ops.canteen.skinny_linear(torch.randn(2, 96).bfloat16(), lanes, 20, None)
     with pytest.raises(RuntimeError, match="for x's K"):
@@ -280,8 +273,8 @@ def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     ("rows", "k"),
-    [(1, 72), (5, 72), (12, 72), (1, 96), (16, 96), (17, 96), (32, 96)],  # K = 96: AMX tiles
-)
+    [(1, 72), (5, 72), (12, 72), (1, 96), (16, 96), (17, 96), (32, 96), (45, 72), (80, 96)],
+)  # K = 96: AMX tiles; 45 and 80 rows: several register tiles, or passes of AMX rows
 def test_a_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(
     rows: int, k: int, dtype: torch.dtype
 ) -> None:
@@ -289,10 +282,8 @@ def test_a_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(
     ``silu_mul(gate_up_proj(h))`` come out of skinny_linear with the bits of the separate
     ops. 80 gate outputs: 64 whose exp torch computes vectorized, 16 on its scalar tail, and
     an odd count of gate blocks (the up half starts mid-task)."""
-    from worker.quant import pack_lanes, skinny_rows
+    from worker.quant import pack_lanes
 
-    if rows > skinny_rows(k, dtype):
-        pytest.skip(f"{rows} rows of {k} need AMX; this CPU's kernel takes {skinny_rows(k)}")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g).to(dtype)
     gate_up = (torch.randn(160, k, generator=g) * 0.3).to(dtype)

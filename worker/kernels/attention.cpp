@@ -285,16 +285,19 @@ void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
   const int64_t* len_ptr = lc.data_ptr<int64_t>();
   const int64_t* row_ptr = rc.data_ptr<int64_t>();
   const int64_t* table_ptr = tc.defined() ? tc.data_ptr<int64_t>() : nullptr;
-  for (int64_t t = 0; t < num_tables; ++t)
-    for (int64_t j = 0; j < width; ++j)
-      TORCH_CHECK(slot_ptr[t * width + j] >= 0 && slot_ptr[t * width + j] < num_slots,
-                  "paged_decode: slots out of range");
+  std::vector<int64_t> used(num_tables, 0);  // the most slots any row reads of each table
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(len_ptr[b] >= 1 && len_ptr[b] <= width, "paged_decode: lens out of range");
     TORCH_CHECK(row_ptr[b] >= 0 && row_ptr[b] < tokens, "paged_decode: rows out of range");
     TORCH_CHECK(!table_ptr || (table_ptr[b] >= 0 && table_ptr[b] < num_tables),
                 "paged_decode: tables out of range");
+    int64_t& most = used[table_ptr ? table_ptr[b] : b];
+    most = std::max(most, len_ptr[b]);
   }
+  for (int64_t t = 0; t < num_tables; ++t)
+    for (int64_t j = 0; j < used[t]; ++j)
+      TORCH_CHECK(slot_ptr[t * width + j] >= 0 && slot_ptr[t * width + j] < num_slots,
+                  "paged_decode: slots out of range");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     const scalar_t* kp = pool.data_ptr<scalar_t>();
