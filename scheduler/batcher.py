@@ -14,7 +14,8 @@ Each step, under a token budget and a cap on running sequences:
 When a running sequence needs a block and none is free, the lowest-priority, most recently
 admitted sequence not yet in this step is preempted by recompute: its blocks are freed and it
 waits at the front of the queue with its generated tokens kept, so its stream resumes exactly.
-Sequences join and leave the batch between any two steps.
+Sequences join and leave the batch between any two steps. Block tables change only through
+the ``KVManager`` (scheduler/kv.py); which sequence gives its blocks up is decided here.
 
 Pipelining: with ``depth`` 2 the next plan is built and sent while the worker computes the
 previous one, so the worker never waits for a round trip. A plan assumes the plans in flight
@@ -43,6 +44,7 @@ from canteen.batching import BatchConfig
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
+from scheduler.kv import KVManager
 from scheduler.sequence import Finish, SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
 
@@ -70,7 +72,7 @@ class BatchScheduler:
         num_draft_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.pool = pool
+        self.kv = KVManager(pool, limits.watermark_blocks)
         self._clock = clock
         self._last_result_at: float | None = None
         self.speculation = SpeculationPolicy(num_draft_tokens)
@@ -121,7 +123,7 @@ class BatchScheduler:
             if seq.is_cancel_requested:
                 seq.status, seq.finish = Status.FINISHED, Finish.CANCELLED
                 continue
-            seq.block_ids, seq.block_keys, seq.num_computed, seq.num_sent_blocks = [], [], 0, 0
+            self.kv.forget(seq)  # its worker's pool is gone with it
             seq.is_on_worker = False
             seq.forget_in_flight()
             seq.status = Status.WAITING
@@ -131,6 +133,11 @@ class BatchScheduler:
         self._pending_drops.clear()
         self._in_flight.clear()
         return evicted
+
+    @property
+    def pool(self) -> BlockPool:
+        """The worker's block pool, for readers (the router, metrics, the status page)."""
+        return self.kv.pool
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -217,13 +224,13 @@ class BatchScheduler:
                 # earlier match) says nothing of how well this sequence's drafts hold
                 if entry.drafts and result.num_proposed.get(seq_id, entry.drafts) > 0:
                     seq.drafting.observe(accepted)
-                self._commit_full_blocks(seq, known)
+                self.kv.commit_full_blocks(seq, known)
         events = [
             self._on_token(current[t.seq_id], t) for t in result.tokens if t.seq_id in current
         ]
         for seq in current.values():
             if seq.status is Status.RUNNING:
-                self._commit_full_blocks(seq)
+                self.kv.commit_full_blocks(seq)
         events += [self._refuse(current[i], error) for i, error in refused.items() if i in current]
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
@@ -266,30 +273,17 @@ class BatchScheduler:
             if seq.status is not Status.RUNNING or seq.may_be_done_ahead:
                 continue  # preempted while making room for another, or sampling its last
             n = min(seq.num_unscheduled, budget)
-            if n <= 0 or not self._grow(seq, seq.num_scheduled_at_most + n, in_plan):
+            if n <= 0 or not self._make_room(seq, seq.num_scheduled_at_most + n, in_plan):
                 continue
             chosen.append((seq, n))
             in_plan.add(id(seq))
             budget -= n
             if grants is not None and drafts > 0:
-                k = self._reserve_drafts(seq, min(self._draft_room(seq), drafts, budget))
+                k = self.kv.reserve_drafts(seq, min(self._draft_room(seq), drafts, budget))
                 if k > 0:
                     grants[seq.seq_id] = k
                     budget -= k
         return budget
-
-    def _reserve_drafts(self, seq: Sequence, k: int) -> int:
-        """Blocks for up to ``k`` draft tokens after ``seq``'s scheduled ones, from free
-        blocks only (drafts never preempt anyone); returns the drafts that fit."""
-        end = seq.num_scheduled_at_most + 1  # this step's token, after drafts in flight
-        need = self.pool.blocks_for(end + k) - len(seq.block_ids)
-        if k > 0 and need > 0:
-            spare = self.pool.num_free - self.limits.watermark_blocks
-            blocks = self.pool.allocate(need) if spare >= need else None
-            if blocks is None:
-                return min(k, len(seq.block_ids) * self.pool.block_size - end)
-            seq.block_ids.extend(blocks)
-        return max(k, 0)
 
     @staticmethod
     def _draft_room(seq: Sequence) -> int:
@@ -330,16 +324,14 @@ class BatchScheduler:
             seq = max(
                 self.waiting, key=lambda s: (s.priority, s.num_preemptions > 0, -s.arrival_time)
             )
-            self._reuse_cached_prefix(seq)
+            self.kv.reuse_cached_prefix(seq)
+            if seq.first_scheduled_time is None:
+                seq.num_cached_tokens = seq.num_computed
             n = min(seq.num_unscheduled, budget)
-            need = self.pool.blocks_for(seq.num_scheduled + n) - len(seq.block_ids)
-            if self.pool.num_free < need + self.limits.watermark_blocks:
-                self._release(seq)
+            if not self.kv.allocate(seq, seq.num_scheduled + n):
+                self.kv.release(seq)  # its cached prefix waits in the cache, not in its table
                 break
-            blocks = self.pool.allocate(need)
-            assert blocks is not None
             self.waiting.remove(seq)
-            seq.block_ids.extend(blocks)
             seq.status = Status.RUNNING
             self._admit_counter += 1
             seq.admit_order = self._admit_counter
@@ -352,56 +344,9 @@ class BatchScheduler:
             budget -= n
         return budget
 
-    def _reuse_cached_prefix(self, seq: Sequence) -> None:
-        """Starts a sequence that holds no blocks on the longest cached prefix of its tokens."""
-        if seq.block_ids:
-            return
-        blocks, keys = self.pool.match_prefix(seq.tokens, seq.cache_salt)
-        seq.block_ids, seq.block_keys = blocks, keys
-        seq.num_computed = len(blocks) * self.pool.block_size
-        if seq.first_scheduled_time is None:
-            seq.num_cached_tokens = seq.num_computed
-
-    def _release_early(self, seq: Sequence) -> None:
-        """This plan samples ``seq``'s last token: no later plan needs its blocks, so the next
-        plan may reuse them (the worker runs this one first). Its drop rides on the next
-        plan too. Full blocks of known tokens that plans in flight compute are committed to
-        the prefix cache now: any plan that reads them runs after the one computing them."""
-        self._commit_full_blocks(seq, min(seq.num_scheduled, seq.num_tokens))
-        self.pool.free(seq.block_ids)
-        seq.block_ids, seq.num_sent_blocks = [], 0
-        self._pending_drops.append(seq.seq_id)
-        seq.is_on_worker = False
-
-    def _release(self, seq: Sequence) -> None:
-        """Returns all of a sequence's blocks (full computed ones stay cached)."""
-        if seq.block_ids:
-            self.pool.free(seq.block_ids)
-        seq.block_ids, seq.block_keys, seq.num_computed, seq.num_sent_blocks = [], [], 0, 0
-
-    def _commit_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
-        """Keys every block that became full and computed (of the first ``num_tokens``,
-        default the computed ones), so other sequences can share it."""
-        bs = self.pool.block_size
-        done = seq.num_computed if num_tokens is None else num_tokens
-        num_full = min(done // bs, len(seq.block_ids))
-        if len(seq.block_keys) >= num_full:
-            return
-        tokens = seq.tokens
-        while len(seq.block_keys) < num_full:
-            i = len(seq.block_keys)
-            parent = seq.block_keys[-1] if seq.block_keys else self.pool.root_for(seq.cache_salt)
-            key = self.pool.commit(seq.block_ids[i], parent, tokens[i * bs : (i + 1) * bs])
-            seq.block_keys.append(key)
-
-    def _grow(self, seq: Sequence, num_tokens: int, in_plan: set[int]) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, in_plan: set[int]) -> bool:
         """Gives ``seq`` blocks for ``num_tokens``, preempting others; False if it was preempted."""
-        need = self.pool.blocks_for(num_tokens) - len(seq.block_ids)
-        while need > 0:
-            blocks = self.pool.allocate(need)
-            if blocks is not None:
-                seq.block_ids.extend(blocks)
-                return True
+        while not self.kv.grow(seq, num_tokens):
             # Sequences whose blocks went back early free nothing when preempted.
             candidates = [s for s in self.running if id(s) not in in_plan and s.block_ids]
             if seq not in candidates:
@@ -412,9 +357,16 @@ class BatchScheduler:
                 return False
         return True
 
+    def _drop_early(self, seq: Sequence) -> None:
+        """This plan samples ``seq``'s last token: its blocks go back now, and its drop rides
+        on the next plan."""
+        self.kv.release_early(seq)
+        self._pending_drops.append(seq.seq_id)
+        seq.is_on_worker = False
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._release(seq)
+        self.kv.release(seq)
         seq.forget_in_flight()
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
@@ -427,7 +379,7 @@ class BatchScheduler:
     def _finish(self, seq: Sequence, finish: Finish) -> None:
         if seq in self.running:
             self.running.remove(seq)
-        self._release(seq)
+        self.kv.release(seq)
         seq.forget_in_flight()
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
@@ -471,7 +423,7 @@ class BatchScheduler:
             entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples, k)
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
             if self.depth > 1 and seq.is_done_ahead:
-                self._release_early(seq)
+                self._drop_early(seq)
         plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)
         self._in_flight.append((plan, entries))
         return plan
