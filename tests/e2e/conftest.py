@@ -9,7 +9,7 @@ import pytest
 
 from canteen.models import default_model_path
 from canteen.v1 import inference_pb2_grpc, scheduler_pb2_grpc
-from tests.support.suite import Service, Suite, wait_serving
+from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, wait_serving
 
 
 class SmolSuite:
@@ -40,6 +40,7 @@ def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmolSuite]:
             "2",
             "--speculative",
             "ngram",
+            *TRANSFORMERS_DTYPE,  # the tests compare with transformers' float32 forward
         )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 120)
         gateway = s.start_gateway(registry, scheduler)

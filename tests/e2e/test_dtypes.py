@@ -1,18 +1,14 @@
 """SmolLM2 in process: greedy tokens one prompt at a time vs batched vs transformers, per dtype.
 
-float32 must agree exactly. bfloat16 cannot: a matmul's rounding depends on the shape of the
-batch it runs in (which kernel, which blocking, how the sum over the hidden size is split),
-so a logit can move by one bfloat16 step (~0.4% relative) between a sequence run alone and
-the same sequence among others, and where the two best tokens are that close, greedy flips
-and the continuation diverges from there. vLLM's batch-invariance notes describe the effect.
-The test therefore asserts what holds whatever the batch: every prompt's first 4 tokens
-agree, and at least half the prompts (4 of 8) agree over all 16 tokens, batched vs alone and
-vs transformers at the same dtype. On CPU Canteen attends in float32 over its bfloat16 cache
-(worker/paged_attention.py) where transformers attends in bfloat16, so on a near-tie it can
-side with float32: a prompt whose first tokens differ from transformers' bfloat16 ones must
-then match transformers' float32 ones. Measured 2026-12-03 10:15 on a Zen 4 EPYC
-(AVX512-BF16, no AMX): batched vs alone 7 of 8 identical (q1 first differs at token 5), vs
-transformers bfloat16 7 of 8 (q6 differs at token 3, where Canteen's token is float32's).
+Batched and alone must agree exactly in every dtype: every kernel computes a row the same
+way whatever the batch (README, Exactness). float32 must also agree exactly with
+transformers. bfloat16 cannot, quite: transformers' own bfloat16 forward rounds differently
+(it attends in bfloat16 where Canteen attends in float32 over its bfloat16 cache, and its
+matmul's blocking follows the shape), so where the two best tokens are within a bfloat16
+step greedy can flip and the continuation diverges from there. The test asserts every
+prompt's first 4 tokens are transformers' bfloat16 or float32 ones, and at least as many
+prompts agree over all 16 tokens as measured: 2026-12-05 on a Zen 4 EPYC (AVX512-BF16, no
+AMX), AGREE of 8 identical to transformers' bfloat16 tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +28,8 @@ from worker.runner import ModelRunner
 pytestmark = pytest.mark.e2e
 
 NEW = 16
-FIRST = 4  # tokens every prompt must agree on in bfloat16
+FIRST = 4  # tokens every prompt must agree on with transformers in bfloat16
+AGREE = 7  # prompts identical to transformers' bfloat16 tokens over all NEW, as measured
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
@@ -102,11 +99,11 @@ def test_float32_agrees_exactly_alone_batched_and_with_transformers() -> None:
     assert batched == alone == _transformers(torch.float32)
 
 
-def test_bfloat16_agrees_on_first_tokens_and_most_prompts() -> None:
+def test_bfloat16_is_batch_invariant_and_agrees_with_transformers() -> None:
     batched, alone = _canteen(torch.bfloat16)
+    assert batched == alone  # every prompt, every token
     reference, exact = _transformers(torch.bfloat16), _transformers(torch.float32)
     for seq_id, tokens in batched.items():
-        assert tokens[:FIRST] == alone[seq_id][:FIRST], seq_id
         assert tokens[:FIRST] in (reference[seq_id][:FIRST], exact[seq_id][:FIRST]), seq_id
-    for other in (alone, reference):
-        assert sum(batched[s] == other[s] for s in batched) >= len(batched) // 2, (batched, other)
+    agree = sum(batched[s] == reference[s] for s in batched)
+    assert agree >= AGREE, (batched, reference)

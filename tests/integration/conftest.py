@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from canteen.v1 import inference_pb2_grpc, scheduler_pb2_grpc
-from tests.support.suite import Service, Suite, wait_serving
+from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, wait_serving
 
 NUM_KV_BLOCKS = 96
 BLOCK_SIZE = 8
@@ -29,8 +29,12 @@ class TinySuite:
 
 
 @contextmanager
-def tiny_suite(workdir: Path, model_dir: Path, num_kv_blocks: int) -> Iterator[TinySuite]:
-    """Registry, scheduler, one worker of the tiny model and a gateway, stopped on exit."""
+def tiny_suite(
+    workdir: Path, model_dir: Path, num_kv_blocks: int, dtype: tuple[str, ...] = TRANSFORMERS_DTYPE
+) -> Iterator[TinySuite]:
+    """Registry, scheduler, one worker of the tiny model and a gateway, stopped on exit. The
+    worker runs float32 unless ``dtype`` says otherwise (``()``: the default): the shared
+    suite's tests compare its tokens with transformers' float32 forward."""
     s = Suite(workdir)
     try:
         registry = s.start_registry(
@@ -53,6 +57,7 @@ def tiny_suite(workdir: Path, model_dir: Path, num_kv_blocks: int) -> Iterator[T
             "1",
             "--max-batched-tokens",
             "256",
+            *dtype,
         )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         gateway = s.start_gateway(registry, scheduler)

@@ -14,10 +14,10 @@ import pytest
 
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support import reference
-from tests.support.suite import Service, Suite, canteen_models
+from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, canteen_models
 from tests.support.tiny_model import build_tiny_model
 
-WORKER = ("--num-kv-blocks", "64", "--block-size", "8", "--threads", "1")
+WORKER = ("--num-kv-blocks", "64", "--block-size", "8", "--threads", "1", *TRANSFORMERS_DTYPE)
 PROMPT = "Once upon a time"
 
 

@@ -21,13 +21,8 @@ PROMPTS = [f"Supervised story number {i} begins" for i in range(8)]
 LONG = 300  # tokens per stream: long enough to be mid-stream when the worker dies
 # Greedy and seeded streams, alternately: both must continue exactly on another worker.
 SEEDS = [None if i % 2 == 0 else 100 + i for i in range(8)]
-WORKER_ARGS = (
-    "--worker-arg=--num-kv-blocks=256",
-    "--worker-arg=--threads=1",
-    # Exact continuation after a move is a float32 promise: in bfloat16 (--dtype auto on a CPU
-    # with AVX512-BF16) a recomputed prefill rounds differently from decode steps.
-    "--worker-arg=--dtype=float32",
-)
+# The default dtype: exact continuation after a move holds in it (README, Exactness).
+WORKER_ARGS = ("--worker-arg=--num-kv-blocks=256", "--worker-arg=--threads=1")
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -15,7 +15,7 @@ import pytest
 
 from canteen.certs import make_suite_certs
 from canteen.tls import Tls
-from tests.support.suite import Service, Suite, wait_serving
+from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, wait_serving
 
 # Tenants' API keys; sk-ops may ask for priority up to 5, the others for 0.
 KEY_A, KEY_B, KEY_OPS = "sk-tenant-a", "sk-tenant-b", "sk-ops"
@@ -65,6 +65,7 @@ def secure(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             "128",
             "--block-size",
             str(BLOCK_SIZE),
+            *TRANSFORMERS_DTYPE,
             "--threads",
             "1",
             "--max-batched-tokens",

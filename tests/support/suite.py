@@ -28,6 +28,10 @@ _ROLES = {
     "gateway": "gateway",
 }
 
+# The dtype of transformers' reference forward (tests/support/reference.py): tests that compare
+# a worker's tokens with it pin the worker to it; every other test runs the defaults.
+TRANSFORMERS_DTYPE = ("--dtype", "float32")
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -258,13 +262,13 @@ class Suite:
     def start_worker(
         self, registry: Service, model: str, *args: str, name: str = "worker"
     ) -> Service:
-        """Runs float32 unless ``args`` name a --dtype: exact-token tests compare against
-        transformers in float32, and --dtype auto picks bfloat16 on AMX/AVX512-BF16 CPUs."""
-        dtype = () if any(a.startswith("--dtype") for a in args) else ("--dtype", "float32")
+        """Runs the worker's defaults (``--dtype auto``: bfloat16 on AMX/AVX512-BF16 CPUs)
+        unless ``args`` say otherwise; tests that compare with transformers' float32 forward
+        pass TRANSFORMERS_DTYPE."""
         return self.spawn(
             name,
             "worker",
-            ["--registry", registry.address, "--model", model, "--worker-id", name, *dtype, *args],
+            ["--registry", registry.address, "--model", model, "--worker-id", name, *args],
             "canteen.v1.Worker",
         )
 
