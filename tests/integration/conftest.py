@@ -61,7 +61,8 @@ def tiny_suite(workdir: Path, model_dir: Path, num_kv_blocks: int) -> Iterator[T
         tiny.channel.close()
         tiny.sched_channel.close()
     finally:
-        s.stop()
+        codes = s.stop()
+    assert set(codes.values()) == {0}, codes
 
 
 @pytest.fixture(scope="session")

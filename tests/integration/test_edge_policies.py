@@ -186,3 +186,5 @@ def test_a_bad_screen_spec_stops_the_gateway_at_start(suite: TinySuite, tmp_path
         suite.suite.start_gateway(
             suite.registry, suite.scheduler, "--screen", "nowhere:thing", name="gateway-bad"
         )
+    bad = suite.suite.services.pop()  # it never served: the suite's teardown need not stop it
+    assert bad.name == "gateway-bad" and bad.process.wait(30) == 2  # a usage error
