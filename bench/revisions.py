@@ -41,7 +41,9 @@ def run_probe(tree: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def build_kernels(tree: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    subprocess.run([sys.executable, "-m", "worker.kernels"], cwd=tree, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "worker.kernels"], cwd=tree, env=env, check=True, capture_output=True
+    )
 
 
 def main() -> None:
@@ -55,18 +57,30 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), args.base], check=True)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(base), args.base],
+            check=True,
+        )
         try:
             compare(base, args)
         finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False
+            )
 
 
 def compare(base: Path, args: argparse.Namespace) -> None:
     sides = {"base": base, "this": ROOT}
     for tree in sides.values():
         build_kernels(tree)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "?",
+    )
     print(f"CPU: {cpu}; base {args.base} vs this tree; quantization {args.quantization}; ms")
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for r in range(args.rounds):

@@ -26,7 +26,12 @@ def decode_ms(runner: ModelRunner, batch: int, steps: int) -> float:
     runner.reset()
     per = runner.blocks_for(32 + steps + 2)
     seqs = tuple(
-        NewSequence(f"s{i}", tuple(range(10 + i, 42 + i)), Sampling(0.0), tuple(range(i * per, (i + 1) * per)))
+        NewSequence(
+            f"s{i}",
+            tuple(range(10 + i, 42 + i)),
+            Sampling(0.0),
+            tuple(range(i * per, (i + 1) * per)),
+        )
         for i in range(batch)
     )
     plan = StepPlan(0, seqs, tuple(ScheduledSequence(s.seq_id, 32) for s in seqs))

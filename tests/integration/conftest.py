@@ -66,7 +66,8 @@ def tiny_suite(
         tiny.channel.close()
         tiny.sched_channel.close()
     finally:
-        s.stop()
+        codes = s.stop()
+    assert set(codes.values()) == {0}, codes
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ import yaml  # PyYAML, via transformers and kubernetes-validate
 
 from tests.support.deploy import (
     CERT_MANAGER,
-    K8S_BASE,
     ROLES,
     SERVICE_CONFIGS,
     _key,
@@ -294,23 +293,8 @@ KEY_USAGES = frozenset(
 
 
 def cert_manager_docs() -> list[dict[str, Any]]:
-    """The overlay rendered by kustomize, or by hand (base + its own files) without one."""
-    rendered = kustomize(CERT_MANAGER)
-    if rendered is not None:
-        return rendered
-    kustomization = yaml.safe_load((CERT_MANAGER / "kustomization.yaml").read_text())
-    docs = []
-    for name in kustomization["resources"]:
-        path = CERT_MANAGER / name
-        if path.is_dir():
-            assert path.resolve() == K8S_BASE
-            docs.extend(k8s_docs())
-        else:
-            for doc in yaml.safe_load_all(path.read_text()):
-                if doc:
-                    doc["metadata"].setdefault("namespace", kustomization["namespace"])
-                    docs.append(doc)
-    return docs
+    """The overlay rendered by kustomize."""
+    return kustomize(CERT_MANAGER)
 
 
 def test_cert_manager_overlay_builds_and_validates(tmp_path: Path) -> None:

@@ -40,6 +40,15 @@ class Stack:
         return {w.worker_id: w for w in reply.workers}
 
 
+def _not_ready(address: str, service: str) -> bool:
+    """Whether ``service`` at ``address`` answers NOT_SERVING: a drain has begun."""
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+    return bool(reply.status == health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Suite(tmp_path_factory.mktemp("drains"))
@@ -90,8 +99,8 @@ def test_scheduler_sigterm_finishes_streams_and_new_work_waits_for_the_next(
     until(lambda: len(stream.tokens) >= 4, 60, "tokens to flow")
     old = stack.scheduler
     old.process.send_signal(signal.SIGTERM)
+    until(lambda: _not_ready(old.address, "canteen.v1.Scheduler"), 10, "the scheduler to drain")
     late = Stream(stack.gateway.address, prompt, 300)
-    time.sleep(0.2)
     late.start()  # refused UNAVAILABLE by the draining scheduler: the gateway retries it
     stream.join(60)
     assert stream.error is None, stream.error
@@ -123,7 +132,8 @@ def test_gateway_sigterm_finishes_an_sse_stream_and_refuses_new_http_work(
     reader.start()
     until(lambda: len(lines) >= 4, 60, "SSE chunks")
     gateway.process.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    healthz = f"{gateway.http_url}/healthz"
+    until(lambda: httpx.get(healthz, timeout=5).status_code == 503, 10, "the gateway to drain")
     refused = httpx.post(url, json=body, timeout=10)
     assert refused.status_code == 503
     assert "draining" in refused.json()["error"]["message"]
@@ -180,7 +190,12 @@ def test_a_flood_is_shed_at_the_queue_and_health_keeps_answering(stack: Stack) -
         # A plan already on its way may admit a few more before the link waits on the
         # paused worker; everything else is queued (6) or shed at once.
         until(lambda: sum(not s.is_alive() for s in streams) >= 30, 20, "the flood to be shed")
-        time.sleep(2)  # the last arrivals: queued or shed
+
+        def all_arrived() -> bool:  # every request shed, queued or running
+            held = sum(w.num_running + w.num_waiting for w in stack.stats().values())
+            return sum(not s.is_alive() for s in streams) + held == 1 + len(streams)
+
+        until(all_arrived, 20, "the last arrivals to be queued or shed")
     finally:
         for worker in workers:
             worker.process.send_signal(signal.SIGCONT)

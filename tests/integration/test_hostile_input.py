@@ -277,7 +277,7 @@ def screened(suite: TinySuite, log_marks: dict[str, int]) -> Iterator[Service]:
         name="gateway-screened",
     )
     yield gateway
-    gateway.terminate()
+    assert gateway.terminate() == 0
 
 
 def test_prompt_text_never_reaches_the_logs(
@@ -384,10 +384,11 @@ def test_no_block_or_sequence_is_left_behind(suite: TinySuite) -> None:
 
 
 def test_every_service_still_runs_and_logged_no_crash(
-    suite: TinySuite, log_marks: dict[str, int]
+    suite: TinySuite, log_marks: dict[str, int], screened: Service
 ) -> None:
-    # The services that ran when this module began (other modules stop gateways of their own).
-    running = [svc for svc in suite.suite.services if svc.name in log_marks]
+    # The services that ran when this module began (other modules stop gateways of their own),
+    # and the one it started.
+    running = [svc for svc in suite.suite.services if svc.name in log_marks] + [screened]
     assert {svc.name for svc in running} >= {"registry", "scheduler", "worker", "gateway"}
     for svc in running:
         assert svc.process.poll() is None, f"{svc.name} exited with {svc.process.returncode}"
@@ -400,8 +401,9 @@ def test_every_service_still_runs_and_logged_no_crash(
         assert not alarms, f"{svc.name} logged:\n" + "\n".join(map(json.dumps, alarms))[-4000:]
 
 
-# Log events no hostile input may cause: any error, and a lost worker or a refused sequence
-# whatever their level. A test that causes one on purpose names its (service, msg) here.
+# Log events no hostile input may cause: any error, any line with a traceback (a warning too:
+# structlog writes exc_info as "exception"), and a lost worker or a refused sequence whatever
+# their level. A test that causes one on purpose names its (service, msg) here.
 ALARMS = ("worker lost", "worker link crashed", "sequence refused")
 DELIBERATE: frozenset[tuple[str, str]] = frozenset()
 
@@ -409,7 +411,12 @@ DELIBERATE: frozenset[tuple[str, str]] = frozenset()
 def _is_alarm(event: dict[str, Any]) -> bool:
     if (event.get("service"), event.get("msg")) in DELIBERATE:
         return False
-    return event.get("level") in ("error", "critical") or event.get("msg") in ALARMS
+    return (
+        event.get("level") in ("error", "critical")
+        or event.get("msg") in ALARMS
+        or "exception" in event
+        or any(sign in json.dumps(event) for sign in CRASH_SIGNS)
+    )
 
 
 def _split_log(log: str) -> tuple[list[dict[str, Any]], list[str | None]]:

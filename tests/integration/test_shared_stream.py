@@ -5,6 +5,7 @@ when the stream goes away."""
 from __future__ import annotations
 
 import concurrent.futures
+import signal
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,12 @@ def _request(prompt: list[int], max_tokens: int, **fields: object) -> scheduler_
     )
 
 
+def _num_held(stub: scheduler_pb2_grpc.SchedulerStub) -> int:
+    """Requests the scheduler holds: running or waiting, on any worker."""
+    stats = stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+    return sum(w.num_running + w.num_waiting for w in stats.workers)
+
+
 def _collect(
     feed: Iterator[scheduler_pb2.ScheduleBatch], tags: set[int]
 ) -> tuple[dict[int, list[scheduler_pb2.ScheduleResponse]], list[int]]:
@@ -59,19 +66,26 @@ def test_every_request_s_tokens_ride_one_stream_equal_to_its_own_stream(
     assert len(first.subscription_id) == 32 and not first.responses
     tags = {100 + i: prompt for i, prompt in enumerate(PROMPTS)}
     with concurrent.futures.ThreadPoolExecutor(len(tags)) as pool:
-        own = [
-            pool.submit(
-                lambda t, p: list(
-                    stub.Generate(
-                        _request(p, 16, subscription_id=first.subscription_id, stream_tag=t),
-                        timeout=60,
-                    )
-                ),
-                tag,
-                prompt,
-            )
-            for tag, prompt in tags.items()
-        ]
+        # The worker pauses while the requests arrive, so that they all run in the same steps
+        # however the threads that send them are scheduled on a busy host.
+        suite.worker.process.send_signal(signal.SIGSTOP)
+        try:
+            own = [
+                pool.submit(
+                    lambda t, p: list(
+                        stub.Generate(
+                            _request(p, 16, subscription_id=first.subscription_id, stream_tag=t),
+                            timeout=60,
+                        )
+                    ),
+                    tag,
+                    prompt,
+                )
+                for tag, prompt in tags.items()
+            ]
+            until(lambda: _num_held(stub) == len(tags), 20, "every request to arrive")
+        finally:
+            suite.worker.process.send_signal(signal.SIGCONT)
         got, sizes = _collect(feed, set(tags))
         # A request's own stream carries nothing and ends OK.
         assert [call.result() for call in own] == [[]] * len(tags)

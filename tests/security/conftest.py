@@ -95,4 +95,5 @@ def secure(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             tiny_model_dir,
         )
     finally:
-        s.stop()
+        codes = s.stop()
+    assert set(codes.values()) == {0}, codes

@@ -12,16 +12,22 @@ from canteen.v1 import inference_pb2, inference_pb2_grpc
 from tests.security.conftest import GATEWAY_ADMIN_KEY, KEY_A, KEY_B, KEY_OPS, SecureSuite
 
 
-def _cached_tokens(address: str, key: str, prompt: str, priority: int = 0) -> int:
+def _complete(
+    address: str, key: str, prompt: str, priority: int = 0
+) -> inference_pb2.CompleteResponse:
     with grpc.insecure_channel(address) as channel:
-        done = inference_pb2_grpc.InferenceStub(channel).Complete(
+        done: inference_pb2.CompleteResponse = inference_pb2_grpc.InferenceStub(channel).Complete(
             inference_pb2.GenerateRequest(
-                prompt=prompt, max_tokens=2, temperature=0, priority=priority
+                prompt=prompt, max_tokens=2, temperature=0, priority=priority, ignore_eos=True
             ),
             timeout=60,
             metadata=(("authorization", f"Bearer {key}"),),
         )
-    return int(done.usage.cached_tokens)
+    return done
+
+
+def _cached_tokens(address: str, key: str, prompt: str) -> int:
+    return int(_complete(address, key, prompt).usage.cached_tokens)
 
 
 def test_with_isolation_one_tenant_never_hits_another_tenants_cache(secure: SecureSuite) -> None:
@@ -39,10 +45,13 @@ def test_a_shared_cache_tells_one_tenant_what_another_sent(secure: SecureSuite) 
 
 
 def test_priority_is_capped_by_the_key(secure: SecureSuite) -> None:
-    assert _cached_tokens(secure.shared.address, KEY_OPS, "urgent", priority=5) >= 0
+    # At its ceiling a key's request runs to its end.
+    assert (
+        _complete(secure.shared.address, KEY_OPS, "urgent", priority=5).usage.completion_tokens == 2
+    )
     for key, asked, ceiling in ((KEY_A, 1, 0), (KEY_OPS, 6, 5)):
         with pytest.raises(grpc.RpcError) as info:
-            _cached_tokens(secure.shared.address, key, "urgent", priority=asked)
+            _complete(secure.shared.address, key, "urgent", priority=asked)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert f"priority={asked}: API key" in (info.value.details() or "")
         assert f"may ask for at most {ceiling}" in (info.value.details() or "")

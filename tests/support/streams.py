@@ -26,6 +26,7 @@ class Stream(threading.Thread):
         seed: int | None = None,
         timeout: float = 120,
         constraint: common_pb2.Constraint | None = None,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         super().__init__(daemon=True)
         self.request = inference_pb2.GenerateRequest(
@@ -36,6 +37,7 @@ class Stream(threading.Thread):
         if constraint is not None:
             self.request.constraint.CopyFrom(constraint)
         self.seed, self.address, self.timeout = seed, address, timeout
+        self.metadata = metadata  # e.g. an API key: (("authorization", "Bearer KEY"),)
         self.tokens: list[int] = []
         self.error: grpc.RpcError | None = None
 
@@ -43,7 +45,9 @@ class Stream(threading.Thread):
         with grpc.insecure_channel(self.address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             try:
-                for msg in stub.Generate(self.request, timeout=self.timeout):
+                for msg in stub.Generate(
+                    self.request, timeout=self.timeout, metadata=self.metadata
+                ):
                     self.tokens.extend(msg.token_ids)
             except grpc.RpcError as exc:
                 self.error = exc

@@ -295,9 +295,12 @@ class Suite:
         return svc
 
     def stop(self) -> dict[str, int]:
+        """Terminates every service; each one's exit code by name (a name started twice, as
+        by ``restart``, gets its pid too)."""
         codes = {}
         for svc in reversed(self.services):
-            codes[svc.name] = svc.terminate()
+            name = svc.name if svc.name not in codes else f"{svc.name} (pid {svc.process.pid})"
+            codes[name] = svc.terminate()
         return codes
 
 

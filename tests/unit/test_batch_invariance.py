@@ -22,24 +22,36 @@ from worker.speculate import SpeculationConfig
 
 BLOCK = 8
 VOCAB = 440  # below the tiny model's vocabulary (455)
-FORMATS = [("auto", "none"), ("bfloat16", "none"), ("float32", "none"), ("auto", "int8"), ("auto", "int4")]
+FORMATS = [
+    ("auto", "none"),
+    ("bfloat16", "none"),
+    ("float32", "none"),
+    ("auto", "int8"),
+    ("auto", "int4"),
+]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # hidden 128: K a multiple of 32 (AMX tiles, whole quantization groups), several blocks
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-wide"), hidden_size=128, intermediate_size=256)
+    return build_tiny_model(
+        tmp_path_factory.mktemp("tiny-wide"), hidden_size=128, intermediate_size=256
+    )
 
 
 _runners: dict[tuple[str, str, str], ModelRunner] = {}
 
 
-def _runner(model_dir: Path, dtype: str, quantization: str, speculative: str = "none") -> ModelRunner:
+def _runner(
+    model_dir: Path, dtype: str, quantization: str, speculative: str = "none"
+) -> ModelRunner:
     key = (dtype, quantization, speculative)
     if key not in _runners:
         device = torch.device("cpu")
         chosen, _ = choose_dtype(dtype, device, quantization)
-        loaded = load_model(str(model_dir), "safetensors", "", device, chosen, False, quantization=quantization)
+        loaded = load_model(
+            str(model_dir), "safetensors", "", device, chosen, False, quantization=quantization
+        )
         spec = SpeculationConfig(kind=speculative, num_tokens=4) if speculative != "none" else None
         _runners[key] = ModelRunner(loaded, 6000, BLOCK, max_batched_tokens=1024, speculation=spec)
     return _runners[key]
@@ -56,7 +68,8 @@ def mixes(draw: st.DrawFn) -> list[Arrival]:
     out: list[Arrival] = []
     for i in range(count):
         prompt = tuple(draw(prompts))
-        donor = out[draw(st.integers(0, len(out) - 1))] if out and draw(st.booleans()) else None
+        shares: bool = bool(out) and draw(st.booleans())
+        donor = out[draw(st.integers(0, len(out) - 1))] if shares else None
         cached = 0
         if donor is not None and len(donor.prompt) >= BLOCK:
             cached = BLOCK * draw(st.integers(1, len(donor.prompt) // BLOCK))
@@ -84,7 +97,9 @@ def mixes(draw: st.DrawFn) -> list[Arrival]:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(mix=mixes())
-def test_every_sequence_gets_what_it_gets_alone(model_dir: Path, dtype: str, quantization: str, mix: list[Arrival]) -> None:
+def test_every_sequence_gets_what_it_gets_alone(
+    model_dir: Path, dtype: str, quantization: str, mix: list[Arrival]
+) -> None:
     runner = _runner(model_dir, dtype, quantization)
     together = run_mix(runner, mix)
     for arrival in mix:
@@ -92,7 +107,9 @@ def test_every_sequence_gets_what_it_gets_alone(model_dir: Path, dtype: str, qua
 
 
 @pytest.mark.parametrize(("dtype", "quantization"), [("auto", "none"), ("auto", "int4")])
-def test_verified_drafts_give_the_tokens_plain_decoding_gives(model_dir: Path, dtype: str, quantization: str) -> None:
+def test_verified_drafts_give_the_tokens_plain_decoding_gives(
+    model_dir: Path, dtype: str, quantization: str
+) -> None:
     """n-gram drafts verified in the same forward, beside other sequences: the tokens and
     logprobs of plain decoding in the default number format, and drafts were accepted."""
     spec = _runner(model_dir, dtype, quantization, "ngram")

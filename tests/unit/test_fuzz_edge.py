@@ -4,6 +4,7 @@ atheris run of each target in a subprocess (atheris is a dev dependency: missing
 from __future__ import annotations
 
 import importlib.util
+import re
 import resource
 import subprocess
 import sys
@@ -139,3 +140,6 @@ def test_fuzz_target_finds_nothing(target: str, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert not list(tmp_path.glob("crash-*"))
+    # Every run was made: -max_total_time ends a slow run early, and exits 0 all the same.
+    done = re.findall(r"^Done (\d+) ", proc.stderr, re.MULTILINE)
+    assert done == [str(RUNS[target])], f"runs: {done}, not {RUNS[target]}\n{proc.stderr[-2000:]}"
