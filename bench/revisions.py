@@ -2,12 +2,12 @@
 
 Checks ``--base`` (a git revision) out into a temporary worktree and times the same probe
 (bench/step_probe.py) on it and on this tree, each in a process of its own that loads
-SmolLM2 with the default settings (``--dtype auto``, no quantization unless --quantization
-says), alternating which side goes first every round, and prints every round in the order
-it ran. The probe times a decode step at each batch of --batches (ms per step, so tokens
-per second is batch / step), and the prefill of one --prompt-token prompt in chunks of the
-default max_batched_tokens (2,048). Both sides build their own CPU kernels first (not
-timed) and neither has a cache the other lacks.
+SmolLM2 with the default settings (``--dtype auto``, no quantization; --dtype and
+--quantization change them), alternating which side goes first every round, and prints
+every round in the order it ran. The probe times a decode step at each batch of --batches
+(ms per step, so tokens per second is batch / step) and the prefill of one --prompt-token
+prompt in chunks of the default max_batched_tokens (2,048). Both sides build their own CPU
+kernels first (not timed) and neither has a cache the other lacks.
 
 Usage: python bench/revisions.py --base cee0cb6 [--rounds 3] [--batches 1,16,32]
        [--prompt 2000] [--quantization none]
@@ -31,7 +31,7 @@ PROBE = ROOT / "bench" / "step_probe.py"
 def run_probe(tree: Path, args: argparse.Namespace) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(PROBE), "--batches", args.batches, "--prompt", str(args.prompt)]
-    cmd += ["--quantization", args.quantization, "--steps", str(args.steps)]
+    cmd += ["--quantization", args.quantization, "--steps", str(args.steps), "--dtype", args.dtype]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         sys.exit(f"probe failed on {tree}:\n{done.stderr[-3000:]}")
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--dtype", default="auto", help="the worker's --dtype (default: auto)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
@@ -81,7 +82,8 @@ def compare(base: Path, args: argparse.Namespace) -> None:
         ),
         "?",
     )
-    print(f"CPU: {cpu}; base {args.base} vs this tree; quantization {args.quantization}; ms")
+    print(f"CPU: {cpu}; base {args.base} vs this tree; --dtype {args.dtype}, ", end="")
+    print(f"--quantization {args.quantization}; ms")
     results: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(sides)[::-1]

@@ -65,9 +65,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quantization", default="none")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     device = torch.device("cpu")
-    dtype, _ = choose_dtype("auto", device, args.quantization)
+    dtype, _ = choose_dtype(args.dtype, device, args.quantization)
     loaded = load_model(
         str(default_model_path()), "gguf", "", device, dtype, False, quantization=args.quantization
     )
