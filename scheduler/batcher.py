@@ -96,7 +96,9 @@ class BatchScheduler:
 
     # -- requests in and out -------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, worker_id: str = "") -> None:
+        """Queues ``seq`` (new, or moved here from a lost worker) on worker ``worker_id``."""
+        seq.worker_id = worker_id
         seq.status = Status.WAITING
         # A stream moved here mid-answer (failover) counts as streaming from its arrival.
         seq.arrival_tick = self._ticks
@@ -124,6 +126,7 @@ class BatchScheduler:
                 seq.status, seq.finish = Status.FINISHED, Finish.CANCELLED
                 continue
             self.kv.forget(seq)  # its worker's pool is gone with it
+            seq.num_failovers += 1
             seq.is_on_worker = False
             seq.forget_in_flight()
             seq.status = Status.WAITING
@@ -234,7 +237,7 @@ class BatchScheduler:
         events += [self._refuse(current[i], error) for i, error in refused.items() if i in current]
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
-            events.append(SeqEvent(seq, (), (), Finish.CANCELLED))
+            events.append(SeqEvent.of(seq, finish=Finish.CANCELLED))
         return events
 
     # -- helpers -------------------------------------------------------------------------
@@ -298,10 +301,10 @@ class BatchScheduler:
 
     def _on_token(self, seq: Sequence, token: SampledToken) -> SeqEvent:
         if seq.is_cancel_requested or seq.is_finished:
-            return SeqEvent(seq, (), ())
+            return SeqEvent.of(seq)
         if token.token_id in seq.stop_token_ids:
             self._finish(seq, Finish.STOP)
-            return SeqEvent(seq, (), (), Finish.STOP)
+            return SeqEvent.of(seq, finish=Finish.STOP)
         if seq.first_token_tick is None:
             seq.first_token_tick = self._ticks
         seq.output_ids.append(token.token_id)
@@ -309,15 +312,15 @@ class BatchScheduler:
         if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= seq.max_model_len:
             finish = Finish.LENGTH
             self._finish(seq, finish)
-        return SeqEvent(seq, (token.token_id,), (token.logprob,), finish, (token.top,))
+        top = (token.top,) if seq.sampling.top_logprobs else ()
+        return SeqEvent.of(seq, (token.token_id,), (token.logprob,), finish, top)
 
     def _refuse(self, seq: Sequence, error: str) -> SeqEvent:
         """The worker refused ``seq`` (and dropped it): it fails alone; the worker is fine."""
         seq.is_on_worker = False
-        seq.is_refused = True
-        seq.error = f"worker refused the sequence: {error}"
         self._finish(seq, Finish.FAILED)
-        return SeqEvent(seq, (), (), Finish.FAILED)
+        why = f"worker refused the sequence: {error}"
+        return SeqEvent.of(seq, finish=Finish.FAILED, error=why, is_refused=True)
 
     def _admit(self, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
@@ -427,6 +430,13 @@ class BatchScheduler:
         plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)
         self._in_flight.append((plan, entries))
         return plan
+
+
+def end_unplaced(seq: Sequence, finish: Finish, error: str = "") -> SeqEvent:
+    """Ends a sequence that no batcher holds (its worker was lost, and it was not placed on
+    another): the one place outside ``BatchScheduler`` where a status and finish are set."""
+    seq.status, seq.finish = Status.FINISHED, finish
+    return SeqEvent.of(seq, finish=finish, error=error)
 
 
 def _cycle_seconds(seconds: float, since: float | None) -> float:

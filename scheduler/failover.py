@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from canteen.logging import get_logger
+from scheduler.batcher import end_unplaced
 from scheduler.link import Orphans, WorkerLink
-from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.sequence import Finish, Sequence
 from scheduler.subscriptions import EventSink
 
 log = get_logger(__name__)
@@ -50,7 +51,6 @@ class Failover:
     def on_lost(self, link: WorkerLink, orphans: Orphans) -> None:
         now = time.monotonic()
         for seq, queue in orphans:
-            seq.num_failovers += 1
             deadline = min(seq.deadline or now + self.max_wait, now + self.max_wait)
             item = Waiting(
                 seq, queue, link.desc.model, link.desc.version, link.desc.worker_id, deadline
@@ -74,7 +74,7 @@ class Failover:
         for item in self.waiting:
             if item.seq is seq:
                 self.waiting.remove(item)
-                seq.status, seq.finish = Status.FINISHED, Finish.CANCELLED
+                end_unplaced(seq, Finish.CANCELLED)
                 return True
         return False
 
@@ -93,10 +93,8 @@ class Failover:
             )
 
     def _give_up(self, item: Waiting, why: str) -> None:
-        seq = item.seq
-        seq.error = f"worker {item.lost_worker} was lost and {why}"
-        seq.status, seq.finish = Status.FINISHED, Finish.FAILED
-        item.queue.put_nowait(SeqEvent(seq, (), (), Finish.FAILED))
+        error = f"worker {item.lost_worker} was lost and {why}"
+        item.queue.put_nowait(end_unplaced(item.seq, Finish.FAILED, error))
 
     def _try(self, item: Waiting) -> bool:
         link = self._place(item.model, item.version, item.seq)

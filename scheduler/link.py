@@ -20,9 +20,9 @@ from canteen.batching import DEFAULT, BatchConfig
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2, worker_pb2_grpc
-from scheduler.batcher import BatchScheduler
+from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
-from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.sequence import Finish, Sequence
 from scheduler.subscriptions import EventSink
 from scheduler.wire import plan_to_pb, result_from_pb
 
@@ -110,9 +110,8 @@ class WorkerLink:
     def adopt(self, seq: Sequence, queue: EventSink) -> None:
         """Queues ``seq`` here; its events go to ``queue`` (new, or moved from a lost worker):
         the caller's own queue, or a subscription's sink."""
-        seq.worker_id = self.desc.worker_id
         self._queues[seq.seq_id] = queue
-        self.core.add(seq)
+        self.core.add(seq, self.desc.worker_id)
         self._wake.set()
 
     def cancel(self, seq: Sequence) -> None:
@@ -208,11 +207,11 @@ class WorkerLink:
         if self._on_step is not None:
             self._on_step(self.desc, plan, now - started)
         for event in self.core.update(result):
-            queue = self._queues.get(event.seq.seq_id)
+            queue = self._queues.get(event.seq_id)
             if queue is not None:
                 queue.put_nowait(event)
                 if event.finish is not None:
-                    del self._queues[event.seq.seq_id]
+                    del self._queues[event.seq_id]
         return now
 
     def _lose(self, error: str) -> None:
@@ -229,6 +228,4 @@ class WorkerLink:
             self._on_lost(self, orphans)
             return
         for seq, queue in orphans:
-            seq.error = error
-            seq.status, seq.finish = Status.FINISHED, Finish.FAILED
-            queue.put_nowait(SeqEvent(seq, (), (), Finish.FAILED))
+            queue.put_nowait(end_unplaced(seq, Finish.FAILED, error))

@@ -6,7 +6,7 @@ import enum
 import itertools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from canteen.plan import Sampling
 from scheduler.speculation import DraftRecord
@@ -52,7 +52,6 @@ class Sequence:
     num_computed: int = 0
     status: Status = Status.WAITING
     finish: Finish | None = None
-    error: str = ""
     # Worker-side state of the current Run stream.
     is_on_worker: bool = False
     num_sent_blocks: int = 0
@@ -71,7 +70,6 @@ class Sequence:
     worker_id: str = ""
     deadline: float | None = None
     num_failovers: int = 0
-    is_refused: bool = False  # a worker refused its plan entry: it failed alone
     cache_salt: str = ""  # its prefix-cache tenant; "" shares with every other request
     allow_speculation: bool = True  # the request may verify draft tokens
     drafting: DraftRecord = field(default_factory=DraftRecord)  # how its drafts hold
@@ -153,21 +151,61 @@ class Sequence:
 
 
 @dataclass(frozen=True)
-class SeqEvent:
-    """What a step did to one sequence: new tokens, and its end when it ended."""
+class Usage:
+    """A sequence's token counts when an event was made (what the final response reports)."""
 
-    seq: Sequence
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class SeqEvent:
+    """What a step did to one sequence: new tokens, and its end when it ended. A value: it
+    names the sequence by id and carries what readers need, so no reader holds the
+    ``Sequence`` that the batcher keeps changing."""
+
+    seq_id: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish: Finish | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    usage: Usage = Usage(0, 0, 0)
+    queue_seconds: float | None = None  # first scheduled minus arrival; None before
+    error: str = ""  # why it failed (finish FAILED)
+    is_refused: bool = False  # a worker refused its plan entry: it failed alone
+
+    @classmethod
+    def of(
+        cls,
+        seq: Sequence,
+        token_ids: tuple[int, ...] = (),
+        logprobs: tuple[float, ...] = (),
+        finish: Finish | None = None,
+        top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = (),
+        error: str = "",
+        is_refused: bool = False,
+    ) -> SeqEvent:
+        """An event of ``seq`` with its usage and queue time as they are now."""
+        started = seq.first_scheduled_time
+        return cls(
+            seq.seq_id,
+            token_ids,
+            logprobs,
+            finish,
+            top_logprobs,
+            Usage(len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens),
+            None if started is None else started - seq.arrival_time,
+            error,
+            is_refused,
+        )
 
     def then(self, more: SeqEvent) -> SeqEvent:
         """This event's tokens followed by ``more``'s, ending as ``more`` does."""
-        return SeqEvent(
-            self.seq,
-            self.token_ids + more.token_ids,
-            self.logprobs + more.logprobs,
-            more.finish,
-            self.top_logprobs + more.top_logprobs,
+        return replace(
+            more,
+            token_ids=self.token_ids + more.token_ids,
+            logprobs=self.logprobs + more.logprobs,
+            top_logprobs=self.top_logprobs + more.top_logprobs,
+            queue_seconds=self.queue_seconds if more.queue_seconds is None else more.queue_seconds,
         )

@@ -57,22 +57,21 @@ def params_from_pb(
 def response_of(
     event: SeqEvent, is_first: bool, stream_tag: int = 0
 ) -> scheduler_pb2.ScheduleResponse:
-    seq = event.seq
     response = scheduler_pb2.ScheduleResponse(
         token_ids=event.token_ids, logprobs=event.logprobs, stream_tag=stream_tag
     )
-    if seq.sampling.top_logprobs:
-        for top in event.top_logprobs:
-            response.top_logprobs.add(token_ids=[i for i, _ in top], logprobs=[lp for _, lp in top])
-    if is_first and seq.first_scheduled_time is not None:
-        response.queue_seconds = seq.first_scheduled_time - seq.arrival_time
+    for top in event.top_logprobs:
+        response.top_logprobs.add(token_ids=[i for i, _ in top], logprobs=[lp for _, lp in top])
+    if is_first and event.queue_seconds is not None:
+        response.queue_seconds = event.queue_seconds
     if event.finish is not None:
         response.finish_reason = FINISH_TO_PB[event.finish]
+        usage = event.usage
         response.usage.CopyFrom(
             common_pb2.Usage(
-                prompt_tokens=len(seq.prompt_ids),
-                completion_tokens=len(seq.output_ids),
-                cached_tokens=seq.num_cached_tokens,
+                prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+                cached_tokens=usage.cached_tokens,
             )
         )
     return response

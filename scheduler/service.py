@@ -66,7 +66,7 @@ class SchedulerService:
         self.metrics = metrics
         self.subscriptions = Subscriptions()
 
-    def _admit(self, params: GenerateParams) -> tuple[WorkerLink, Sequence]:
+    def _admit(self, params: GenerateParams, traceparent: str) -> tuple[WorkerLink, Sequence]:
         """Picks a worker and checks the request against it; raises what the caller sees."""
         _validate_shape(params)
         candidates = self.pool.serving(params.model, params.version)
@@ -98,6 +98,8 @@ class SchedulerService:
             max_model_len=desc.max_model_len,
             cache_salt=params.cache_salt,
             allow_speculation=not params.disable_speculation,
+            traceparent=traceparent,
+            deadline=params.deadline,
         )
         return link, seq
 
@@ -113,15 +115,13 @@ class SchedulerService:
         # A span, not a current-span context: the context must not span the yields.
         span = tracer.start_span("scheduler.generate", context=trace_context)
         try:
-            link, seq = self._admit(params)
+            link, seq = self._admit(params, traceparent_of(span))
             queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
             sink: EventSink = queue if feed is None else feed[0].attach(feed[1], seq, queue)
         except Exception as exc:
             span.set_attribute("canteen.error", str(exc))
             span.end()
             raise
-        seq.deadline = params.deadline
-        seq.traceparent = traceparent_of(span)
         span.set_attribute("canteen.worker", link.desc.worker_id)
         link.adopt(seq, sink)
         log.info(
@@ -158,10 +158,9 @@ class SchedulerService:
             event = pending or await queue.get()
             event, pending = _coalesce(event, queue)
             if event.finish is Finish.FAILED:
-                raise (SequenceRefusedError if seq.is_refused else WorkerFailedError)(seq.error)
-            if is_first and self.metrics is not None and seq.first_scheduled_time is not None:
-                wait = seq.first_scheduled_time - seq.arrival_time
-                self.metrics.observe_queue(link.desc.model, link.desc.version, wait)
+                raise (SequenceRefusedError if event.is_refused else WorkerFailedError)(event.error)
+            if is_first and self.metrics is not None and event.queue_seconds is not None:
+                self.metrics.observe_queue(link.desc.model, link.desc.version, event.queue_seconds)
                 is_first = False
             yield event
             if event.finish is not None:

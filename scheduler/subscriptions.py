@@ -14,6 +14,7 @@ connection cannot attach to it (nor learn that it exists).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from typing import Protocol
 
@@ -78,7 +79,7 @@ class Subscription:
         self.is_closed = True
         self._pending.clear()
         for seq, own in self._ends.values():
-            own.put_nowait(SeqEvent(seq, (), (), Finish.CANCELLED))
+            own.put_nowait(SeqEvent.of(seq, finish=Finish.CANCELLED))
         self._ends.clear()
 
 
@@ -98,7 +99,9 @@ class TokenSink:
             if self._is_first and event.finish is None:
                 # The caller learns when its request started (its queue time), not only
                 # when it ends: one token-less event, once.
-                self._own.put_nowait(SeqEvent(event.seq, (), ()))
+                self._own.put_nowait(
+                    dataclasses.replace(event, token_ids=(), logprobs=(), top_logprobs=())
+                )
             self._is_first = False
         if event.finish is not None:
             self._subscription.detach(self._tag)

@@ -186,7 +186,7 @@ def test_finished_sequence_leaves_batch_frees_blocks_and_is_dropped_next() -> No
     plan, events = step(sched, worker)  # short samples its second (last) token
 
     assert plan is not None and scheduled(plan) == {"short": 1, "long": 1}
-    assert [e.finish for e in events if e.seq is short] == [Finish.LENGTH]
+    assert [e.finish for e in events if e.seq_id == short.seq_id] == [Finish.LENGTH]
     assert short.finish is Finish.LENGTH and short.status is Status.FINISHED
     assert short.output_ids == expected_tokens(short.prompt_ids, 2)
     assert short.block_ids == [] and sched.running == [long]
@@ -364,6 +364,27 @@ def test_cancel_running_sequence_between_steps_frees_blocks_now() -> None:
     assert worker.seqs == {} and not sched.has_work
 
 
+def test_a_lost_worker_gives_back_its_sequences_with_their_tokens_and_counts_the_loss() -> None:
+    sched, worker = make_scheduler(num_blocks=16), FakeWorker(16)
+    seq, leaving = make_seq("a", prompt_len=5, max_tokens=8), make_seq("b", 2, 8)
+    sched.add(seq, "w1")
+    sched.add(leaving, "w1")
+    assert seq.worker_id == "w1"
+    step(sched, worker)
+    made = list(seq.output_ids)
+    assert sched.schedule() is not None
+    sched.cancel(leaving)  # its plan is in flight: it ends when the worker answers
+    assert sched.evict_all() == [seq]
+    assert (seq.status, seq.output_ids, seq.block_ids, seq.num_failovers) == (
+        Status.WAITING,
+        made,
+        [],
+        1,
+    )
+    assert (leaving.status, leaving.finish) == (Status.FINISHED, Finish.CANCELLED)
+    assert not sched.has_work
+
+
 def test_cancel_while_plan_in_flight_frees_blocks_on_update() -> None:
     sched, worker = make_scheduler(num_blocks=16), FakeWorker(16)
     seq = make_seq("a", prompt_len=9, max_tokens=8)
@@ -381,7 +402,7 @@ def test_cancel_while_plan_in_flight_frees_blocks_on_update() -> None:
 
     assert seq.finish is Finish.CANCELLED and seq.block_ids == []
     assert seq.output_ids == output_before  # the token sampled in flight is discarded
-    assert [e.finish for e in events if e.seq is seq][-1] is Finish.CANCELLED
+    assert [e.finish for e in events if e.seq_id == seq.seq_id][-1] is Finish.CANCELLED
     assert sched.pool.num_free == 16 - len(other.block_ids)
     plan, _ = step(sched, worker)
     assert plan is not None and plan.dropped_seq_ids == ("a",)

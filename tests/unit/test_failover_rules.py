@@ -33,6 +33,13 @@ def _orphan(deadline: float | None = None) -> tuple[Sequence, asyncio.Queue[SeqE
     return seq, asyncio.Queue()
 
 
+def _lose(failover: Failover, seq: Sequence, queue: asyncio.Queue[SeqEvent]) -> None:
+    """Its worker is lost: the worker's batcher counts the loss (``evict_all``), then
+    failover takes it."""
+    seq.num_failovers += 1
+    failover.on_lost(FakeLink(Desc("a")), [(seq, queue)])  # type: ignore[arg-type]
+
+
 def test_a_lost_sequence_goes_to_a_ready_worker_with_its_tokens() -> None:
     target = FakeLink(Desc("b"))
     failover = Failover(lambda model, version, seq: target, max_wait=30)  # type: ignore[arg-type,return-value]
@@ -54,7 +61,7 @@ def test_without_a_worker_it_waits_then_fails_at_the_callers_deadline() -> None:
     failover.expire(100.0)
     event = queue.get_nowait()
     assert event.finish is Finish.FAILED and seq.status is Status.FINISHED
-    assert seq.error == (
+    assert event.error == (
         "worker a was lost and no other ready worker serves m:v1; gave up after waiting for one"
     )
 
@@ -78,9 +85,10 @@ def test_a_sequence_whose_workers_keep_dying_is_failed_not_moved() -> None:
     failover = Failover(lambda model, version, seq: target, max_wait=30)  # type: ignore[arg-type,return-value]
     seq, queue = _orphan()
     for _ in range(MAX_FAILOVERS):
-        failover.on_lost(FakeLink(Desc("a")), [(seq, queue)])  # type: ignore[arg-type]
+        _lose(failover, seq, queue)
     assert len(target.adopted) == MAX_FAILOVERS and queue.empty()
-    failover.on_lost(FakeLink(Desc("a")), [(seq, queue)])  # type: ignore[arg-type]
+    _lose(failover, seq, queue)
     assert len(target.adopted) == MAX_FAILOVERS
-    assert queue.get_nowait().finish is Finish.FAILED
-    assert "it was on 4 workers that were lost" in seq.error
+    event = queue.get_nowait()
+    assert event.finish is Finish.FAILED
+    assert "it was on 4 workers that were lost" in event.error

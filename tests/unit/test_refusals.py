@@ -40,10 +40,10 @@ def test_the_scheduler_fails_a_refused_sequence_alone_and_frees_its_blocks() -> 
     )
     events = sched.update(refused)
     failed = [e for e in events if e.finish is Finish.FAILED]
-    assert [e.seq.request_id for e in failed] == ["bad"]
-    assert bad.is_refused and bad.status is Status.FINISHED
+    assert [e.seq_id for e in failed] == [bad.seq_id]
+    assert failed[0].is_refused and bad.status is Status.FINISHED
     assert (
-        bad.error
+        failed[0].error
         == "worker refused the sequence: sequence bad: token id 99999 outside the vocabulary"
     )
     assert bad.block_ids == [] and sched.running == [good]
