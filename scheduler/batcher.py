@@ -64,6 +64,53 @@ class _Entry:
         return self.seq.status is Status.RUNNING and self.seq.incarnation == self.incarnation
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """One sequence's entries in the plans in flight, summed: what they will compute and
+    sample for it if they come back as sent."""
+
+    num_tokens: int = 0
+    num_samples: int = 0
+    num_drafts: int = 0  # draft tokens granted: each may hold or not
+
+
+_NOTHING_IN_FLIGHT = _InFlight()
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A sequence as the next plan sees it, assuming the plans in flight come back."""
+
+    seq: Sequence
+    plans: _InFlight
+
+    @property
+    def num_scheduled(self) -> int:
+        """Tokens computed, or being computed by a plan in flight."""
+        return self.seq.num_computed + self.plans.num_tokens
+
+    @property
+    def num_unscheduled(self) -> int:
+        """Tokens known once the plans in flight return that no plan computes yet."""
+        return self.seq.num_tokens + self.plans.num_samples - self.num_scheduled
+
+    @property
+    def is_decoding(self) -> bool:
+        """Past its prompt once the plans in flight return: one token a step."""
+        has_output = bool(self.seq.output_ids) or self.plans.num_samples > 0
+        return has_output and self.num_unscheduled == 1
+
+    @property
+    def num_samples_at_most(self) -> int:
+        """Tokens the plans in flight sample if every draft in them holds."""
+        return self.plans.num_samples + self.plans.num_drafts
+
+    @property
+    def num_scheduled_at_most(self) -> int:
+        """``num_scheduled`` if every draft in flight holds: what its blocks must cover."""
+        return self.num_scheduled + self.plans.num_drafts
+
+
 class BatchScheduler:
     def __init__(
         self,
@@ -86,6 +133,7 @@ class BatchScheduler:
         self.num_cached_prompt_tokens = 0
         self._pending_drops: list[str] = []
         self._in_flight: deque[tuple[StepPlan, dict[str, _Entry]]] = deque()
+        self._per_seq: dict[str, _InFlight] = {}  # by seq_id: its entries above, summed
         self._admit_counter = 0
         self._ticks = 0  # results applied so far
         self.cost = (
@@ -128,13 +176,13 @@ class BatchScheduler:
             self.kv.forget(seq)  # its worker's pool is gone with it
             seq.num_failovers += 1
             seq.is_on_worker = False
-            seq.forget_in_flight()
             seq.status = Status.WAITING
             evicted.append(seq)
         self.running.clear()
         self.waiting.clear()
         self._pending_drops.clear()
         self._in_flight.clear()
+        self._per_seq.clear()
         return evicted
 
     @property
@@ -176,8 +224,8 @@ class BatchScheduler:
         chosen: list[tuple[Sequence, int]] = []
         in_plan: set[int] = set()
         by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
-        decoding = [s for s in by_importance if s.is_decoding_ahead]
-        prefilling = [s for s in by_importance if not s.is_decoding_ahead]
+        decoding = [s for s in by_importance if self._ahead(s).is_decoding]
+        prefilling = [s for s in by_importance if not self._ahead(s).is_decoding]
         grants: dict[str, int] = {}
         # Drafts wait while prompts do: a drafting step lasts several plain ones, and every
         # prompt waiting for its prefill would wait that long too.
@@ -215,9 +263,7 @@ class BatchScheduler:
         made = Counter(t.seq_id for t in result.tokens)
         for seq_id, seq in current.items():
             entry = entries[seq_id]
-            seq.num_in_flight -= entry.num_tokens
-            seq.num_pending_samples -= entry.samples
-            seq.num_drafts_in_flight -= entry.drafts
+            self._count(entry, -1)
             if seq_id not in refused:
                 known = seq.num_computed + entry.num_tokens
                 # accepted drafts were computed too; their tokens arrive with this result
@@ -241,6 +287,19 @@ class BatchScheduler:
         return events
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _ahead(self, seq: Sequence) -> _Ahead:
+        return _Ahead(seq, self._per_seq.get(seq.seq_id, _NOTHING_IN_FLIGHT))
+
+    def _count(self, entry: _Entry, sign: int) -> None:
+        """Adds a plan's entry to its sequence's sums (sign 1: sent), or takes it back
+        (sign -1: answered)."""
+        was = self._per_seq.get(entry.seq.seq_id, _NOTHING_IN_FLIGHT)
+        self._per_seq[entry.seq.seq_id] = _InFlight(
+            was.num_tokens + sign * entry.num_tokens,
+            was.num_samples + sign * entry.samples,
+            was.num_drafts + sign * entry.drafts,
+        )
 
     def _observe(self, plan: StepPlan, result: StepResult, since: float | None) -> None:
         """Feeds the cost model and the speculation rule; ``since``: seconds since the
@@ -273,28 +332,32 @@ class BatchScheduler:
         for seq in seqs:
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING or seq.may_be_done_ahead:
+            ahead = self._ahead(seq)
+            if seq.status is not Status.RUNNING or seq.is_done_after(ahead.num_samples_at_most):
                 continue  # preempted while making room for another, or sampling its last
-            n = min(seq.num_unscheduled, budget)
-            if n <= 0 or not self._make_room(seq, seq.num_scheduled_at_most + n, in_plan):
+            n = min(ahead.num_unscheduled, budget)
+            if n <= 0 or not self._make_room(seq, ahead.num_scheduled_at_most + n, in_plan):
                 continue
             chosen.append((seq, n))
             in_plan.add(id(seq))
             budget -= n
             if grants is not None and drafts > 0:
-                k = self.kv.reserve_drafts(seq, min(self._draft_room(seq), drafts, budget))
+                k = self.kv.reserve_drafts(
+                    seq,
+                    min(self._draft_room(seq), drafts, budget),
+                    num_scheduled=ahead.num_scheduled_at_most,
+                )
                 if k > 0:
                     grants[seq.seq_id] = k
                     budget -= k
         return budget
 
-    @staticmethod
-    def _draft_room(seq: Sequence) -> int:
+    def _draft_room(self, seq: Sequence) -> int:
         """Draft tokens ``seq`` may verify: the step then makes up to that many plus one,
         which must stay within max_tokens and the context."""
         if not seq.allow_speculation or seq.sampling.constraint is not None:
             return 0
-        ahead = seq.num_samples_at_most
+        ahead = self._ahead(seq).num_samples_at_most
         made = len(seq.output_ids) + ahead
         total = seq.num_tokens + ahead
         return min(seq.max_tokens - made - 1, seq.max_model_len - total - 1)
@@ -330,8 +393,9 @@ class BatchScheduler:
             self.kv.reuse_cached_prefix(seq)
             if seq.first_scheduled_time is None:
                 seq.num_cached_tokens = seq.num_computed
-            n = min(seq.num_unscheduled, budget)
-            if not self.kv.allocate(seq, seq.num_scheduled + n):
+            ahead = self._ahead(seq)
+            n = min(ahead.num_unscheduled, budget)
+            if not self.kv.allocate(seq, ahead.num_scheduled + n):
                 self.kv.release(seq)  # its cached prefix waits in the cache, not in its table
                 break
             self.waiting.remove(seq)
@@ -363,14 +427,14 @@ class BatchScheduler:
     def _drop_early(self, seq: Sequence) -> None:
         """This plan samples ``seq``'s last token: its blocks go back now, and its drop rides
         on the next plan."""
-        self.kv.release_early(seq)
+        self.kv.release_early(seq, num_scheduled=self._ahead(seq).num_scheduled)
         self._pending_drops.append(seq.seq_id)
         seq.is_on_worker = False
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.release(seq)
-        seq.forget_in_flight()
+        self._per_seq.pop(seq.seq_id, None)  # results of plans sent before now no longer apply
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
         seq.is_on_worker = False
@@ -383,7 +447,7 @@ class BatchScheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.kv.release(seq)
-        seq.forget_in_flight()
+        self._per_seq.pop(seq.seq_id, None)
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
             seq.is_on_worker = False
@@ -418,14 +482,13 @@ class BatchScheduler:
                 )
                 seq.is_on_worker, fresh = True, ()
             seq.num_sent_blocks = len(seq.block_ids)
-            samples = seq.num_unscheduled == n  # computes its last known token: samples one
-            seq.num_in_flight += n
-            seq.num_pending_samples += samples
+            # computes its last known token: samples one
+            samples = self._ahead(seq).num_unscheduled == n
             k = grants.get(seq.seq_id, 0)
-            seq.num_drafts_in_flight += k
-            entries[seq.seq_id] = _Entry(seq, seq.incarnation, n, samples, k)
+            entries[seq.seq_id] = entry = _Entry(seq, seq.incarnation, n, samples, k)
+            self._count(entry, 1)
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
-            if self.depth > 1 and seq.is_done_ahead:
+            if self.depth > 1 and seq.is_done_after(self._ahead(seq).plans.num_samples):
                 self._drop_early(seq)
         plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)
         self._in_flight.append((plan, entries))

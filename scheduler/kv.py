@@ -54,11 +54,12 @@ class KVManager:
         watermark included; False, taking nothing, when too few are free."""
         return self._extend(seq, self.num_blocks_needed(seq, num_tokens))
 
-    def reserve_drafts(self, seq: Sequence, num_drafts: int) -> int:
-        """Blocks for up to ``num_drafts`` draft tokens after ``seq``'s scheduled ones, from
-        free blocks above the watermark only (drafts never preempt anyone); returns the
-        drafts that fit, all of them or the room left in the blocks it holds."""
-        end = seq.num_scheduled_at_most + 1  # this step's token, after drafts in flight
+    def reserve_drafts(self, seq: Sequence, num_drafts: int, *, num_scheduled: int) -> int:
+        """Blocks for up to ``num_drafts`` draft tokens after ``seq``'s ``num_scheduled``
+        tokens (computed or in flight, every draft in flight holding), from free blocks
+        above the watermark only (drafts never preempt anyone); returns the drafts that
+        fit, all of them or the room left in the blocks it holds."""
+        end = num_scheduled + 1  # this step's token, after drafts in flight
         need = self.num_blocks_needed(seq, end + num_drafts)
         if num_drafts > 0 and need > 0:
             if not (self.can_allocate(need) and self._extend(seq, need)):
@@ -83,12 +84,12 @@ class KVManager:
             self.pool.free(seq.block_ids)
         self.forget(seq)
 
-    def release_early(self, seq: Sequence) -> None:
+    def release_early(self, seq: Sequence, *, num_scheduled: int) -> None:
         """A plan in flight samples ``seq``'s last token: no later plan needs its blocks, so
         the next plan may reuse them (the worker runs the one in flight first). Full blocks
-        of known tokens that plans in flight compute are cached now: any plan that reads
-        them runs after the one computing them."""
-        self.commit_full_blocks(seq, min(seq.num_scheduled, seq.num_tokens))
+        of known tokens that plans in flight compute (its first ``num_scheduled``) are
+        cached now: any plan that reads them runs after the one computing them."""
+        self.commit_full_blocks(seq, min(num_scheduled, seq.num_tokens))
         self.pool.free(seq.block_ids)
         seq.block_ids, seq.num_sent_blocks = [], 0
 

@@ -75,10 +75,6 @@ class Sequence:
     drafting: DraftRecord = field(default_factory=DraftRecord)  # how its drafts hold
     # The key on the worker and in every table: made here, unique.
     seq_id: str = field(default_factory=new_seq_id)
-    # Pipelined steps: what plans the worker has not answered yet will compute and sample.
-    num_in_flight: int = 0
-    num_pending_samples: int = 0
-    num_drafts_in_flight: int = 0  # drafts granted to plans in flight: each may hold or not
     incarnation: int = 0  # bumped each time it is sent to a worker as new
 
     @property
@@ -98,52 +94,10 @@ class Sequence:
         """All tokens but the last sampled one are in the KV cache."""
         return bool(self.output_ids) and self.num_uncomputed == 1
 
-    # -- as the next plan sees it, assuming the plans in flight come back -------------------
-
-    @property
-    def num_scheduled(self) -> int:
-        """Tokens computed, or being computed by a plan in flight."""
-        return self.num_computed + self.num_in_flight
-
-    @property
-    def num_unscheduled(self) -> int:
-        """Tokens known once the plans in flight return that no plan computes yet."""
-        return self.num_tokens + self.num_pending_samples - self.num_scheduled
-
-    @property
-    def is_decoding_ahead(self) -> bool:
-        """Past its prompt once the plans in flight return: one token a step."""
-        has_output = bool(self.output_ids) or self.num_pending_samples > 0
-        return has_output and self.num_unscheduled == 1
-
-    @property
-    def is_done_ahead(self) -> bool:
-        """The plans in flight already sample its last allowed token."""
-        return self._done_after(self.num_pending_samples)
-
-    @property
-    def num_samples_at_most(self) -> int:
-        """Tokens the plans in flight sample if every draft in them holds."""
-        return self.num_pending_samples + self.num_drafts_in_flight
-
-    @property
-    def num_scheduled_at_most(self) -> int:
-        """``num_scheduled`` if every draft in flight holds: what its blocks must cover."""
-        return self.num_scheduled + self.num_drafts_in_flight
-
-    @property
-    def may_be_done_ahead(self) -> bool:
-        """The plans in flight sample its last allowed token if their drafts all hold."""
-        return self._done_after(self.num_samples_at_most)
-
-    def _done_after(self, num_samples: int) -> bool:
+    def is_done_after(self, num_samples: int) -> bool:
         """Whether ``num_samples`` more sampled tokens reach max_tokens or the context."""
         num_output = len(self.output_ids) + num_samples
         return num_output >= self.max_tokens or self.num_tokens + num_samples >= self.max_model_len
-
-    def forget_in_flight(self) -> None:
-        """Results of plans sent before now no longer apply (preempted, finished, lost)."""
-        self.num_in_flight = self.num_pending_samples = self.num_drafts_in_flight = 0
 
     @property
     def is_finished(self) -> bool:

@@ -72,10 +72,11 @@ def test_drafts_take_only_the_room_left_when_no_block_is_spare() -> None:
     kv, seq = make_kv(num_blocks=2, watermark_blocks=1), make_seq([1, 2])
     assert kv.allocate(seq, 2)
     compute(kv, seq, 2)  # decoding: 3 tokens known, the last not yet computed
-    assert kv.reserve_drafts(seq, 5) == 1  # one slot left in its only block
+    # nothing in flight: its computed tokens are all it has scheduled
+    assert kv.reserve_drafts(seq, 5, num_scheduled=seq.num_computed) == 1  # one slot left
     assert len(seq.block_ids) == 1 and kv.pool.num_free == 1
     kv.watermark_blocks = 0
-    assert kv.reserve_drafts(seq, 5) == 5
+    assert kv.reserve_drafts(seq, 5, num_scheduled=seq.num_computed) == 5
     assert len(seq.block_ids) == 2 and kv.pool.num_free == 0
 
 
@@ -112,8 +113,7 @@ def test_running_sequences_share_a_prefix_by_reference() -> None:
 def test_release_early_caches_the_blocks_the_plan_in_flight_fills() -> None:
     kv, seq = make_kv(), make_seq([*PREFIX, 1])
     assert kv.allocate(seq, 9)
-    seq.num_in_flight, seq.num_pending_samples = 9, 1  # the plan sent computes all nine
-    kv.release_early(seq)
+    kv.release_early(seq, num_scheduled=9)  # the plan sent computes all nine
     assert seq.block_ids == [] and len(seq.block_keys) == 2
     assert kv.pool.num_free == 8 and kv.pool.num_cached == 2
     again = make_seq([*PREFIX, 1])
@@ -198,7 +198,7 @@ class KVModel(RuleBasedStateMachine):
         if not self._make_room(seq, seq.num_tokens):
             return
         num_free = self.kv.pool.num_free
-        granted = self.kv.reserve_drafts(seq, num_drafts)
+        granted = self.kv.reserve_drafts(seq, num_drafts, num_scheduled=seq.num_computed)
         assert 0 <= granted <= num_drafts
         assert seq.num_tokens + granted <= len(seq.block_ids) * BS, "a granted draft has no slot"
         if self.kv.pool.num_free < num_free:
@@ -216,8 +216,7 @@ class KVModel(RuleBasedStateMachine):
         seq = self.running[pick % len(self.running)]
         if not self._make_room(seq, seq.num_tokens):
             return
-        seq.num_in_flight, seq.num_pending_samples = seq.num_uncomputed, 1
-        self.kv.release_early(seq)
+        self.kv.release_early(seq, num_scheduled=seq.num_tokens)
         assert seq.block_ids == []
         self.running.remove(seq)
         self.draining.append(seq)
@@ -237,7 +236,6 @@ class KVModel(RuleBasedStateMachine):
                 queue.remove(seq)
         num_sole = sum(1 for b in seq.block_ids if self.kv.pool.refs(b) == 1)
         num_free = self.kv.pool.num_free
-        seq.forget_in_flight()
         self.kv.release(seq)
         assert seq.block_ids == [] and self.kv.pool.num_free == num_free + num_sole
 
@@ -254,7 +252,6 @@ class KVModel(RuleBasedStateMachine):
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        seq.forget_in_flight()
         self.kv.release(seq)
         self.waiting.insert(0, seq)
 
@@ -307,7 +304,6 @@ class KVModel(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for seq in self.live:
-            seq.forget_in_flight()
             self.kv.release(seq)
         pool = self.kv.pool
         assert pool.num_free == pool.num_blocks, f"leaked: {pool.state_map()}"
