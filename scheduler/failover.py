@@ -16,9 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from canteen.finish import Finish
 from canteen.logging import get_logger
 from scheduler.link import Orphans, WorkerLink
-from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.subscriptions import EventSink
 
 log = get_logger(__name__)

@@ -17,7 +17,8 @@ import asyncio
 import os
 from typing import Protocol
 
-from scheduler.sequence import Finish, SeqEvent, Sequence
+from canteen.finish import Finish
+from scheduler.sequence import SeqEvent, Sequence
 
 
 class EventSink(Protocol):
