@@ -246,6 +246,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
             messages=messages,
             sampling=replace(sampling, seed=random_seed() if seed is None else (seed + i) % 2**64),
             tools=tools,
+            is_sampling_checked=True,
             **common,
         )
         for i in range(n)

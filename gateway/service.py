@@ -71,6 +71,9 @@ class GenerateInput:
     arrival: float = field(default_factory=time.monotonic)
     # Functions the model may call (chat only); a forced choice's grammar is in sampling.
     tools: ToolRequest | None = None
+    # Set by the HTTP edge's parser, which checks sampling before the fields that follow it;
+    # the gateway checks each request's sampling once (the scheduler and worker again).
+    is_sampling_checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,7 @@ class InferenceService:
                 f"max_tokens={inp.max_tokens}: the limit is {c.max_output_tokens} "
                 "(--max-output-tokens)"
             )
-        if (problem := inp.sampling.problem()) is not None:
+        if not inp.is_sampling_checked and (problem := inp.sampling.problem()) is not None:
             raise InvalidInputError(problem)
         if len(inp.stop) > c.max_stop_strings:
             raise InvalidInputError(
