@@ -12,21 +12,22 @@ import grpc
 from canteen import certs
 from canteen.bench import cli as bench_cli
 from canteen.chaos import cli as chaos_cli
+from canteen.finish import finish_from_pb
 from canteen.local import add_client_flags, admin_metadata, client_tls
 from canteen.models import MAX_ALIAS_WEIGHT
 from canteen.tls import aio_channel
 from canteen.up import cli as up_cli
 from canteen.v1 import (
-    common_pb2,
     inference_pb2,
     inference_pb2_grpc,
     registry_pb2,
     registry_pb2_grpc,
 )
 
-_FINISH_NAMES = {
-    v: k.removeprefix("FINISH_REASON_").lower() for k, v in common_pb2.FinishReason.items()
-}
+
+def _finish_name(value: int) -> str:
+    finish = finish_from_pb(value)
+    return finish.value if finish is not None else str(value)
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -54,7 +55,7 @@ async def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.write("\n")
                     u = msg.usage
                     print(
-                        f"[{msg.model}] finish={_FINISH_NAMES[msg.finish_reason]} "
+                        f"[{msg.model}] finish={_finish_name(msg.finish_reason)} "
                         f"prompt_tokens={u.prompt_tokens} completion_tokens="
                         f"{u.completion_tokens} cached_tokens={u.cached_tokens}",
                         file=sys.stderr,

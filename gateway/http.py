@@ -40,7 +40,8 @@ from gateway.openai_api import (
     usage_json,
 )
 from gateway.openai_messages import check_text, parse_messages
-from gateway.service import Admitted, InferenceService, TextDelta, choose_request_id
+from gateway.output import TextDelta, Usage, add_choice_usage
+from gateway.service import Admitted, InferenceService, choose_request_id
 from gateway.status import status_routes
 
 log = get_logger(__name__)
@@ -263,14 +264,8 @@ class HttpEdge:
             result.model = delta.model
             result.tool_calls.extend(delta.tool_calls)
             if delta.finish_reason is not None:
-                result.finish_reason = _public_finish(delta.finish_reason)
-                if delta.usage is not None:
-                    u = delta.usage
-                    result.prompt_tokens, result.completion_tokens = (
-                        u.prompt_tokens,
-                        u.completion_tokens,
-                    )
-                    result.cached_tokens = u.cached_tokens
+                result.finish_reason = delta.finish_reason
+                result.usage = delta.usage or result.usage
         result.text = "".join(texts)
         return result
 
@@ -301,22 +296,18 @@ class HttpEdge:
             }
         )
         await response.prepare(request)
-        usage = [0, 0, 0]
+        usage = Usage()
         model = ""
         try:
             async for index, delta, first in self._merged(admitted):
                 model = delta.model
                 lp = self._token_logprobs(req, delta)
-                if delta.finish_reason is not None:
-                    delta.finish_reason = _public_finish(delta.finish_reason)
-                    if delta.usage is not None:
-                        usage[0] = delta.usage.prompt_tokens
-                        usage[1] += delta.usage.completion_tokens
-                        usage[2] = delta.usage.cached_tokens
+                if delta.usage is not None:
+                    usage = add_choice_usage(usage, delta.usage)
                 for chunk in chunks_json(req, index, delta, lp, first):
                     await _send(response, chunk)
             if req.include_usage:
-                await _send(response, usage_chunk_json(req, model, usage_json(*usage)))
+                await _send(response, usage_chunk_json(req, model, usage_json(usage)))
         except UpstreamError as exc:
             _, body = error_body(exc.code, str(exc))
             await _send(response, body)
@@ -404,10 +395,6 @@ def _model(body: dict[str, Any]) -> str:
     if not isinstance(model, str):
         raise InvalidInputError(f"model: expected a string, got {type(model).__name__}")
     return model
-
-
-def _public_finish(reason: str) -> str:
-    return "stop" if reason == "cancelled" else reason
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:

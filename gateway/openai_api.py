@@ -15,11 +15,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from canteen.codec import random_seed
+from canteen.finish import Finish, openai_finish
 from canteen.plan import MAX_TOP_LOGPROBS, Sampling
 from gateway.errors import InvalidInputError, clip, refuse_unknown
 from gateway.openai_messages import check_text, parse_messages
 from gateway.openai_tools import TOOL_FIELDS, parse_tools, tool_call_chunks, tool_calls_json
-from gateway.service import GenerateInput, TextDelta
+from gateway.output import TextDelta, Usage
+from gateway.service import GenerateInput
 from gateway.structured import CONSTRAINT_FIELDS, constraint_from_body
 from gateway.tools import ToolCall, ToolRequest, with_tool_constraint
 
@@ -244,6 +246,7 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
             messages=messages,
             sampling=replace(sampling, seed=random_seed() if seed is None else (seed + i) % 2**64),
             tools=tools,
+            is_sampling_checked=True,
             **common,
         )
         for i in range(n)
@@ -263,12 +266,12 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
 # -- responses -----------------------------------------------------------------------------
 
 
-def usage_json(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def usage_json(usage: Usage) -> dict[str, Any]:
     return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 
@@ -310,7 +313,7 @@ def chunk_json(
     req: OpenAIRequest, index: int, delta: TextDelta, lp: TokenLogprobs | None, first: bool
 ) -> dict[str, Any]:
     """One streamed chunk for choice ``index``."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": delta.finish_reason}
+    choice: dict[str, Any] = {"index": index, "finish_reason": openai_finish(delta.finish_reason)}
     if req.kind == "chat":
         choice["delta"] = (
             {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
@@ -349,12 +352,10 @@ def usage_chunk_json(req: OpenAIRequest, model: str, usage: dict[str, Any]) -> d
 @dataclass
 class ChoiceResult:
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: Finish | None = None
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     model: str = ""
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
+    usage: Usage = field(default_factory=Usage)
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
@@ -362,7 +363,7 @@ def response_json(req: OpenAIRequest, results: list[ChoiceResult]) -> dict[str, 
     """The non-streaming answer: every choice, and usage summed over choices."""
     choices = []
     for i, r in enumerate(results):
-        choice: dict[str, Any] = {"index": i, "finish_reason": r.finish_reason}
+        choice: dict[str, Any] = {"index": i, "finish_reason": openai_finish(r.finish_reason)}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": r.text}
             if r.tool_calls:  # content is null when the answer is only calls, as in OpenAI
@@ -384,9 +385,11 @@ def response_json(req: OpenAIRequest, results: list[ChoiceResult]) -> dict[str, 
         "model": results[0].model,
         "choices": choices,
         "usage": usage_json(
-            results[0].prompt_tokens,
-            sum(r.completion_tokens for r in results),
-            results[0].cached_tokens,
+            Usage(
+                results[0].usage.prompt_tokens,
+                sum(r.usage.completion_tokens for r in results),
+                results[0].usage.cached_tokens,
+            )
         ),
     }
 

@@ -11,10 +11,12 @@ import structlog
 
 from canteen.auth import ApiKeys, AuthenticationError, Principal
 from canteen.codec import sampling_from_request
+from canteen.finish import finish_to_pb
 from canteen.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from gateway.errors import InvalidInputError, clip, status_of
 from gateway.limits import RateLimitedError
-from gateway.service import GenerateInput, InferenceService, TextDelta, choose_request_id
+from gateway.output import TextDelta
+from gateway.service import GenerateInput, InferenceService, choose_request_id
 from gateway.tools import (
     ChatMessage,
     Function,
@@ -25,13 +27,6 @@ from gateway.tools import (
     with_tool_constraint,
 )
 
-_FINISH_TO_PB = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-    "content_filter": common_pb2.FINISH_REASON_CONTENT_FILTER,
-    "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
-}
 _CHOICES = {
     inference_pb2.TOOL_CHOICE_NONE: "none",
     inference_pb2.TOOL_CHOICE_AUTO: "auto",
@@ -204,9 +199,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 text=delta.text,
                 token_ids=delta.token_ids,
                 model=delta.model,
-                finish_reason=_FINISH_TO_PB.get(
-                    delta.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED
-                ),
+                finish_reason=finish_to_pb(delta.finish_reason),
                 usage=_usage_to_pb(delta),
                 logprobs=delta.logprobs,
                 top_logprobs=[
@@ -229,7 +222,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             response.model = delta.model
             response.tool_calls.extend(_calls_to_pb(delta.tool_calls))
             if delta.finish_reason is not None:
-                response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
+                response.finish_reason = finish_to_pb(delta.finish_reason)
                 usage = _usage_to_pb(delta)
                 if usage is not None:
                     response.usage.CopyFrom(usage)

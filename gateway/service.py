@@ -22,19 +22,18 @@ from canteen.grammar import ConstraintError
 from canteen.logging import get_logger
 from canteen.plan import Sampling
 from canteen.tracing import context_from_traceparent, get_tracer, trace_id_of, trace_metadata
-from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from gateway.catalog import ModelCatalog, ModelVersion
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidInputError, UpstreamError, status_of
 from gateway.limits import RateLimiter, Reservation
 from gateway.metrics import GatewayMetrics
-from gateway.screen import Screen, StreamScreen, screen_prompt
-from gateway.text import IncrementalDetokenizer, StopMatcher
+from gateway.output import Output, TextDelta, with_tool_calls
+from gateway.screen import Screen, screen_prompt
 from gateway.tokenizers import TemplateError, Tokenizer, TokenizerCache
 from gateway.tool_parsers import ToolStream
 from gateway.tools import (
     ChatMessage,
-    ToolCall,
     ToolRequest,
     check_role,
     parameters_constraint,
@@ -72,6 +71,9 @@ class GenerateInput:
     arrival: float = field(default_factory=time.monotonic)
     # Functions the model may call (chat only); a forced choice's grammar is in sampling.
     tools: ToolRequest | None = None
+    # Set by the HTTP edge's parser, which checks sampling before the fields that follow it;
+    # the gateway checks each request's sampling once (the scheduler and worker again).
+    is_sampling_checked: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,32 +87,6 @@ class Admitted:
     max_tokens: int
     reservation: Reservation
     cache_salt: str = ""  # the prefix cache's tenant (--cache-isolation key); "" shared
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-
-
-@dataclass
-class TextDelta:
-    text: str
-    token_ids: list[int]
-    model: str
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    tool_calls: list[ToolCall] = field(default_factory=list)  # on the last delta only
-
-
-_FINISH = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
-}
 
 
 class InferenceService:
@@ -168,7 +144,7 @@ class InferenceService:
                 f"max_tokens={inp.max_tokens}: the limit is {c.max_output_tokens} "
                 "(--max-output-tokens)"
             )
-        if (problem := inp.sampling.problem()) is not None:
+        if not inp.is_sampling_checked and (problem := inp.sampling.problem()) is not None:
             raise InvalidInputError(problem)
         if len(inp.stop) > c.max_stop_strings:
             raise InvalidInputError(
@@ -322,7 +298,7 @@ class InferenceService:
         deltas = self._run(admitted, timeout, span)
         if inp.tools is not None and inp.tools.is_offered:
             split = ToolStream(admitted.tokenizer.tool_format(inp.tools), inp.tools.names)
-            deltas = _with_tool_calls(deltas, split)
+            deltas = with_tool_calls(deltas, split)
         try:
             async for delta in deltas:
                 timer.tokens(len(delta.token_ids))
@@ -364,33 +340,12 @@ class InferenceService:
             num_prompt_tokens=len(ids),
             max_tokens=admitted.max_tokens,
         )
-        detok, stops = IncrementalDetokenizer(admitted.tokenizer), StopMatcher(inp.stop)
-        screen = StreamScreen(self.screen) if self.screen is not None else None
-        num_tokens = 0
+        output = Output(admitted.tokenizer, inp.stop, self.screen, model.ref, len(ids))
         metadata = (("x-request-id", inp.request_id), *trace_metadata(span))
         try:
             async for msg in self.upstream.stream(request, timeout, metadata):
-                num_tokens += len(msg.token_ids)
-                delta = _delta(msg, stops.push(detok.push(list(msg.token_ids))), model.ref)
-                if msg.finish_reason and not stops.is_stopped:
-                    delta.text += stops.push(detok.flush())
-                    delta.text += stops.flush()
-                if screen is not None and screen.push(delta.text) is not None:
-                    log.info("output cut by the content screen", reason=screen.reason)
-                    # Nothing of the cut text leaves: no text, no token ids, no logprobs.
-                    delta.text, delta.finish_reason = "", "content_filter"
-                    delta.token_ids, delta.logprobs, delta.top_logprobs = [], [], []
-                    delta.usage = Usage(len(ids), num_tokens, 0)
-                    yield delta
-                    return
-                if stops.is_stopped:
-                    delta.finish_reason, delta.usage = "stop", Usage(len(ids), num_tokens, 0)
-                    yield delta
-                    return
-                if msg.finish_reason:
-                    delta.finish_reason = _FINISH[msg.finish_reason]
-                    u = msg.usage
-                    delta.usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                delta = output.push(msg)
+                if delta.finish_reason is not None:
                     yield delta
                     return
                 if delta.text or delta.token_ids:
@@ -398,34 +353,7 @@ class InferenceService:
         except grpc.aio.AioRpcError as exc:
             raise UpstreamError(exc.code(), exc.details() or "scheduler error") from exc
         finally:
-            admitted.reservation.settle(len(ids) + num_tokens)
-
-
-async def _with_tool_calls(
-    deltas: AsyncIterator[TextDelta], split: ToolStream
-) -> AsyncIterator[TextDelta]:
-    """The deltas with call text held back: the last one carries the parsed calls, and
-    finish_reason "tool_calls" when the model ended its answer with them."""
-    async for delta in deltas:
-        delta.text = split.push(delta.text)
-        if delta.finish_reason is not None:
-            rest, delta.tool_calls = split.finish()
-            delta.text += rest
-            if delta.tool_calls and delta.finish_reason == "stop":
-                delta.finish_reason = "tool_calls"
-        yield delta
-
-
-def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> TextDelta:
-    return TextDelta(
-        text,
-        list(msg.token_ids),
-        model_ref,
-        logprobs=list(msg.logprobs),
-        top_logprobs=[
-            list(zip(top.token_ids, top.logprobs, strict=True)) for top in msg.top_logprobs
-        ],
-    )
+            admitted.reservation.settle(len(ids) + output.num_tokens)
 
 
 def _check_messages(

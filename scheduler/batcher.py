@@ -41,11 +41,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from canteen.batching import BatchConfig
+from canteen.finish import Finish
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
 from scheduler.kv import KVManager
-from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
 
 

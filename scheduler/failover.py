@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from canteen.finish import Finish
 from canteen.logging import get_logger
 from scheduler.batcher import end_unplaced
 from scheduler.link import Orphans, WorkerLink
-from scheduler.sequence import Finish, Sequence
+from scheduler.sequence import Sequence
 from scheduler.subscriptions import EventSink
 
 log = get_logger(__name__)

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import grpc
 
 from canteen.batching import DEFAULT, BatchConfig
+from canteen.finish import Finish
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
-from scheduler.sequence import Finish, Sequence
+from scheduler.sequence import Sequence
 from scheduler.subscriptions import EventSink
 from scheduler.wire import plan_to_pb, result_from_pb
 

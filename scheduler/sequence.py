@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from canteen.finish import Finish
 from canteen.plan import Sampling
 from scheduler.speculation import DraftRecord
 
@@ -16,13 +17,6 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class Finish(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    CANCELLED = "cancelled"
-    FAILED = "failed"
 
 
 # Sequence ids are made here, never taken from a client: a process-unique prefix and a counter.

@@ -9,9 +9,10 @@ import grpc
 import structlog
 
 from canteen.codec import sampling_from_pb
+from canteen.finish import Finish, finish_to_pb
 from canteen.tracing import context_from_metadata
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.sequence import Finish, SeqEvent
+from scheduler.sequence import SeqEvent
 from scheduler.service import (
     GenerateParams,
     InvalidRequestError,
@@ -22,11 +23,6 @@ from scheduler.service import (
 )
 from scheduler.subscriptions import Subscription, SubscriptionError
 
-FINISH_TO_PB = {
-    Finish.STOP: common_pb2.FINISH_REASON_STOP,
-    Finish.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    Finish.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
-}
 _ERRORS = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
     NoWorkerError: grpc.StatusCode.UNAVAILABLE,
@@ -65,7 +61,7 @@ def response_of(
     if is_first and event.queue_seconds is not None:
         response.queue_seconds = event.queue_seconds
     if event.finish is not None:
-        response.finish_reason = FINISH_TO_PB[event.finish]
+        response.finish_reason = finish_to_pb(event.finish)
         usage = event.usage
         response.usage.CopyFrom(
             common_pb2.Usage(

@@ -8,13 +8,14 @@ from dataclasses import dataclass
 
 from opentelemetry.context import Context
 
+from canteen.finish import Finish
 from canteen.logging import get_logger
 from canteen.plan import MAX_PRIORITY, MIN_PRIORITY, Sampling
 from canteen.tracing import get_tracer, traceparent_of
 from scheduler.link import WorkerLink
 from scheduler.metrics import SchedulerMetrics
 from scheduler.router import WorkerPool, fits
-from scheduler.sequence import Finish, SeqEvent, Sequence
+from scheduler.sequence import SeqEvent, Sequence
 from scheduler.subscriptions import EventSink, Subscription, Subscriptions
 
 log = get_logger(__name__)

@@ -18,7 +18,8 @@ import dataclasses
 import os
 from typing import Protocol
 
-from scheduler.sequence import Finish, SeqEvent, Sequence
+from canteen.finish import Finish
+from scheduler.sequence import SeqEvent, Sequence
 
 
 class EventSink(Protocol):

@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canteen.batching import BatchConfig
+from canteen.finish import Finish
 from canteen.plan import SampledToken, Sampling, StepPlan, StepResult
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.sequence import SeqEvent, Sequence, Status
 
 BLOCK_SIZE = 4
 

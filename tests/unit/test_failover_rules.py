@@ -6,9 +6,10 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from canteen.finish import Finish
 from canteen.plan import Sampling
 from scheduler.failover import MAX_FAILOVERS, Failover
-from scheduler.sequence import Finish, SeqEvent, Sequence, Status
+from scheduler.sequence import SeqEvent, Sequence, Status
 
 
 @dataclass

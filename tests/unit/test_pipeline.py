@@ -8,10 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canteen.batching import BatchConfig
+from canteen.finish import Finish
 from canteen.plan import StepPlan
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.sequence import Finish, Sequence
+from scheduler.sequence import Sequence
 from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq
 
 

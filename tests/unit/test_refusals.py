@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from canteen.finish import Finish
 from canteen.plan import (
     FailedSequence,
     NewSequence,
@@ -16,7 +17,7 @@ from canteen.plan import (
     ScheduledSequence,
     StepPlan,
 )
-from scheduler.sequence import Finish, Status
+from scheduler.sequence import Status
 from tests.support import reference
 from tests.unit.test_batcher import FakeWorker, make_scheduler, make_seq
 from worker.loader import LoadedModel, load_model

@@ -8,7 +8,8 @@ import asyncio
 
 import pytest
 
-from scheduler.sequence import Finish, SeqEvent
+from canteen.finish import Finish
+from scheduler.sequence import SeqEvent
 from scheduler.service import _coalesce
 from scheduler.subscriptions import SubscriptionError, Subscriptions
 from tests.unit.test_batcher import make_seq

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canteen.batching import BatchConfig
+from canteen.finish import Finish
 from canteen.plan import (
     SampledToken,
     StepPlan,
@@ -20,7 +21,7 @@ from canteen.plan import (
 )
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.sequence import Finish, Sequence
+from scheduler.sequence import Sequence
 from scheduler.speculation import (
     MIN_MEASURED,
     RECORD_DECAY,

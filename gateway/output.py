@@ -1,0 +1,127 @@
+"""What the gateway makes of the scheduler's responses for one request: UTF-8-safe text
+ending at the first stop string or where the content screen cuts it, why it ended, and the
+request's usage. ``Output`` is the one place usage is decided in the gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from canteen.finish import Finish, finish_from_pb
+from canteen.logging import get_logger
+from canteen.v1 import common_pb2, scheduler_pb2
+from gateway.screen import Screen, StreamScreen
+from gateway.text import IncrementalDetokenizer, StopMatcher
+from gateway.tokenizers import Tokenizer
+from gateway.tool_parsers import ToolStream
+from gateway.tools import ToolCall
+
+log = get_logger(__name__)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def add_choice_usage(total: Usage, choice: Usage) -> Usage:
+    """``total`` with one more finished choice of the same prompt: completion tokens add
+    up; prompt and cached tokens are that choice's."""
+    return Usage(
+        choice.prompt_tokens,
+        total.completion_tokens + choice.completion_tokens,
+        choice.cached_tokens,
+    )
+
+
+@dataclass
+class TextDelta:
+    text: str
+    token_ids: list[int]
+    model: str
+    finish_reason: Finish | None = None
+    usage: Usage | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # on the last delta only
+
+
+class Output:
+    """One request's responses turned into deltas; the last carries finish and usage."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        screen: Screen | None,
+        model_ref: str,
+        num_prompt_tokens: int,
+    ) -> None:
+        self._detok, self._stops = IncrementalDetokenizer(tokenizer), StopMatcher(stop)
+        self._screen = StreamScreen(screen) if screen is not None else None
+        self._model_ref = model_ref
+        self._num_prompt_tokens = num_prompt_tokens
+        self.num_tokens = 0  # every token received, shown or not
+
+    def push(self, msg: scheduler_pb2.ScheduleResponse) -> TextDelta:
+        """The delta for ``msg``; finish_reason is set when the stream ends with it."""
+        self.num_tokens += len(msg.token_ids)
+        text = self._stops.push(self._detok.push(list(msg.token_ids)))
+        delta = _delta(msg, text, self._model_ref)
+        finish = finish_from_pb(msg.finish_reason)
+        if finish is not None and not self._stops.is_stopped:
+            delta.text += self._stops.push(self._detok.flush())
+            delta.text += self._stops.flush()
+        if self._screen is not None and self._screen.push(delta.text) is not None:
+            log.info("output cut by the content screen", reason=self._screen.reason)
+            # Nothing of the cut text leaves: no text, no token ids, no logprobs.
+            delta.text, delta.token_ids, delta.logprobs, delta.top_logprobs = "", [], [], []
+            return self._end(delta, Finish.CONTENT_FILTER, None)
+        if self._stops.is_stopped:
+            return self._end(delta, Finish.STOP, None)
+        if finish is not None:
+            return self._end(delta, finish, msg.usage)
+        return delta
+
+    def _end(self, delta: TextDelta, finish: Finish, counted: common_pb2.Usage | None) -> TextDelta:
+        """``delta`` as the last, with the request's usage: the scheduler's count when it
+        ended the sequence; when the gateway cut it (a stop string, the screen), the prompt
+        and every token received, none reported as cached."""
+        delta.finish_reason = finish
+        if counted is not None:
+            delta.usage = Usage(
+                counted.prompt_tokens, counted.completion_tokens, counted.cached_tokens
+            )
+        else:
+            delta.usage = Usage(self._num_prompt_tokens, self.num_tokens, 0)
+        return delta
+
+
+async def with_tool_calls(
+    deltas: AsyncIterator[TextDelta], split: ToolStream
+) -> AsyncIterator[TextDelta]:
+    """The deltas with call text held back: the last one carries the parsed calls, and
+    finish TOOL_CALLS when the model ended its answer with them."""
+    async for delta in deltas:
+        delta.text = split.push(delta.text)
+        if delta.finish_reason is not None:
+            rest, delta.tool_calls = split.finish()
+            delta.text += rest
+            if delta.tool_calls and delta.finish_reason is Finish.STOP:
+                delta.finish_reason = Finish.TOOL_CALLS
+        yield delta
+
+
+def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> TextDelta:
+    return TextDelta(
+        text,
+        list(msg.token_ids),
+        model_ref,
+        logprobs=list(msg.logprobs),
+        top_logprobs=[
+            list(zip(top.token_ids, top.logprobs, strict=True)) for top in msg.top_logprobs
+        ],
+    )
