@@ -36,7 +36,7 @@ from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from worker.loader import LoadedModel, load_model
 from worker.model import FastModel
 from worker.quant import make_linear
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 BLOCK = 16
 PROMPT = 32
@@ -208,7 +208,9 @@ def setup(spec: str, path: Path, max_batch: int, room: int) -> Setup:
         quantization=quantization,
         forward=forward,
     )
-    runner = ModelRunner(loaded, max_batch * -(-(PROMPT + room) // BLOCK), BLOCK, 2048)
+    runner = ModelRunner(
+        loaded, RunnerConfig(max_batch * -(-(PROMPT + room) // BLOCK), BLOCK, 2048)
+    )
     return Setup(spec, loaded, runner, weight_bytes(loaded), linear_params(loaded.model.config))
 
 

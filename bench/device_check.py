@@ -28,7 +28,7 @@ from bench.decode_step import read_bandwidth, weight_bytes
 from bench.throughput import engine_run
 from canteen.models import default_model_path
 from worker.loader import LoadedModel, choose_dtype, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 BLOCK = 16
 PROMPTS = [[(i * 37 + j * 11) % 20000 + 100 for j in range(24)] for i in range(32)]
@@ -64,8 +64,8 @@ def agreement(
     decode steps replayed as CUDA graphs (the worker's default) against eager steps."""
     loaded = load_model(str(path), "gguf", "", device, dtype, False, dtype_reason=reason)
     blocks = 64 * -(-(24 + 64 + tokens) // BLOCK)
-    runner = ModelRunner(loaded, blocks, BLOCK, 2048)
-    eager = ModelRunner(loaded, blocks, BLOCK, 2048, graphs=None)
+    runner = ModelRunner(loaded, RunnerConfig(blocks, BLOCK, 2048))
+    eager = ModelRunner(loaded, RunnerConfig(blocks, BLOCK, 2048, graphs=None))
     hf = (
         AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         .to(device)

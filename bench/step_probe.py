@@ -16,7 +16,7 @@ import torch
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from worker.loader import choose_dtype, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 BLOCK = 16
 MAX_BATCHED = 2048
@@ -74,7 +74,7 @@ def main() -> None:
     )
     batches = [int(b) for b in args.batches.split(",")]
     num_blocks = max(max(batches) * 4, -(-args.prompt // BLOCK) + 2)
-    runner = ModelRunner(loaded, num_blocks, BLOCK, max_batched_tokens=MAX_BATCHED)
+    runner = ModelRunner(loaded, RunnerConfig(num_blocks, BLOCK, max_batched_tokens=MAX_BATCHED))
     out: dict[str, float] = {}
     with torch.inference_mode():
         prefill_ms(runner, 64)  # warm-up

@@ -58,7 +58,7 @@ from canteen.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2
 from tests.support.metrics import scrape, value
 from tests.support.suite import Service, Stack, default_model_stack
 from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -319,7 +319,7 @@ def main() -> None:
                 str(path), "gguf", "", device, dtype, False, quantization=quantization
             )
             runner = ModelRunner(
-                loaded, max(widths) * -(-(200 + args.tokens) // BLOCK), BLOCK, 2048
+                loaded, RunnerConfig(max(widths) * -(-(200 + args.tokens) // BLOCK), BLOCK, 2048)
             )
             hf = (
                 AutoModelForCausalLM.from_pretrained(

@@ -2,79 +2,59 @@
 
 The scheduler's flags set every field but ``max_batched_tokens``, which each worker sets for
 itself (its memory is sized for its largest step) and reports in ``GetInfo``; the scheduler
-then drives that worker with this config, that one field replaced. Nothing else holds a
-default for these values.
+then drives that worker with this config, that one field replaced. Each field is declared
+here once, with its default, help text and bound; a service's flag reuses that declaration
+through ``flag``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from canteen.config import require
+from canteen.config import Bound, at_least, check_bounds, one_of, option
 
 
 @dataclass(frozen=True)
 class BatchConfig:
     """Budgets and pacing of one worker's steps."""
 
-    max_batched_tokens: int = 2048
-    """Most tokens (decode plus prefill) computed in one step (the worker's flag)."""
-    max_num_seqs: int = 256
-    """Most sequences in the running batch."""
-    max_step_stall: float = 1.5
-    """While sequences decode that were streaming when the held prompts arrived, a step
-    carrying prefill may take at most this many times a decode-only step (learned from step
-    timings); 0: only max_batched_tokens bounds it."""
-    pipeline_depth: int = 2
-    """Plans in flight per worker: 2 sends the next step while the worker computes this one."""
-    watermark_blocks: int = 1
-    """Free blocks kept back at admission so running sequences can grow."""
-    min_prefill_chunk: int = 16
-    """Prefill tokens a step with decodes may always carry, so long prompts progress."""
+    max_batched_tokens: int = option(
+        2048, "most tokens one step computes (decode plus prefill)", at_least(1)
+    )
+    max_num_seqs: int = option(256, "most sequences in one worker's running batch", at_least(1))
+    max_step_stall: float = option(
+        1.5,
+        "while streams decode that were streaming when the held prompts arrived, a step "
+        "carrying prefill may take at most this many times a decode-only step (learned from "
+        "step timings); 0: only --max-batched-tokens bounds it",
+        Bound(lambda stall: stall == 0 or stall >= 1, "must be >= 1, or 0 for no bound"),
+    )
+    pipeline_depth: int = option(
+        2,
+        "plans in flight per worker: 2 builds and sends the next step while the worker "
+        "computes this one; 1 waits for each result",
+        one_of(1, 2),
+    )
+    watermark_blocks: int = option(
+        1, "free blocks kept back at admission so running sequences can grow", at_least(0)
+    )
+    min_prefill_chunk: int = option(
+        16,
+        "prefill tokens a step with decodes may always carry, so long prompts progress",
+        at_least(1),
+    )
 
     def __post_init__(self) -> None:
-        require(
-            self.max_batched_tokens >= 1,
-            "max_batched_tokens",
-            self.max_batched_tokens,
-            "must be >= 1",
-        )
-        require(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        require(
-            self.max_step_stall == 0 or self.max_step_stall >= 1,
-            "max_step_stall",
-            self.max_step_stall,
-            "must be >= 1, or 0 for no bound",
-        )
-        require(
-            self.pipeline_depth in (1, 2), "pipeline_depth", self.pipeline_depth, "must be 1 or 2"
-        )
-        require(
-            self.watermark_blocks >= 0, "watermark_blocks", self.watermark_blocks, "must be >= 0"
-        )
-        require(
-            self.min_prefill_chunk >= 1, "min_prefill_chunk", self.min_prefill_chunk, "must be >= 1"
-        )
+        check_bounds(self)
 
 
 DEFAULT = BatchConfig()
 
 
-def field_help(name: str) -> str:
-    """The one-line help of a field, from its docstring above (for the services' flags)."""
-    return _HELP[name]
-
-
-_HELP = {
-    "max_batched_tokens": "most tokens one step computes (decode plus prefill)",
-    "max_num_seqs": "most sequences in one worker's running batch",
-    "max_step_stall": (
-        "while streams decode that were streaming when the held prompts arrived, a step "
-        "carrying prefill may take at most this many times a decode-only step (learned from "
-        "step timings); 0: only --max-batched-tokens bounds it"
-    ),
-    "pipeline_depth": (
-        "plans in flight per worker: 2 builds and sends the next step while the worker "
-        "computes this one; 1 waits for each result"
-    ),
-}
+def flag(name: str) -> Any:
+    """BatchConfig's declaration of field ``name`` (default, help text and bound) for the
+    service config whose flag sets it, so each exists once."""
+    declared = next(field for field in dataclasses.fields(BatchConfig) if field.name == name)
+    return dataclasses.field(default=declared.default, metadata=declared.metadata)

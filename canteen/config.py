@@ -2,8 +2,10 @@
 
 Each service declares a frozen dataclass whose fields carry a one-line ``help`` in their
 metadata; ``parse_config`` turns it into argparse flags (``--max-queue``) whose defaults come
-from the environment (``CANTEEN_MAX_QUEUE``) and then from the dataclass. Bounds are checked in
-each dataclass's ``__post_init__`` with a ``ValueError`` that names the field and the value.
+from the environment (``CANTEEN_MAX_QUEUE``) and then from the dataclass. A field declares its
+bound with it (``option(1, "...", at_least(1))``); ``check_bounds``, called from the dataclass's
+``__post_init__``, raises a ``ValueError`` naming the field, its value and the rule. Rules over
+several fields follow it there, with ``require``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import dataclasses
 import os
 import re
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -35,9 +38,45 @@ _SIZE_UNITS = {
 }
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with a default and a one-line help text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+@dataclass(frozen=True)
+class Bound:
+    """What one field's value must satisfy, and the rule an error states when it does not."""
+
+    holds: Callable[[Any], bool]
+    rule: str
+
+
+def at_least(low: float) -> Bound:
+    return Bound(lambda value: value >= low, f"must be >= {low}")
+
+
+def within(low: float, high: float, rule: str = "") -> Bound:
+    """``low <= value <= high``; the rule reads ``must be in low..high`` unless given."""
+    return Bound(lambda value: low <= value <= high, rule or f"must be in {low}..{high}")
+
+
+def one_of(*values: object, rule: str = "") -> Bound:
+    """One of ``values``; the rule lists them (``must be a, b or c``) unless given."""
+    words = ", ".join(str(value) for value in values[:-1]) + f" or {values[-1]}"
+    return Bound(lambda value: value in values, rule or f"must be {words}")
+
+
+PORT = within(0, 65535)
+PORT_OR_OFF = within(-1, 65535, "must be in 0..65535, or -1 for off")
+
+
+def option(default: Any, help: str, bound: Bound | None = None) -> Any:
+    """A dataclass field with a default, a one-line help text and the bound its value keeps."""
+    return dataclasses.field(default=default, metadata={"help": help, "bound": bound})
+
+
+def check_bounds(config: Any) -> None:
+    """Raises a ValueError for the first field, in declaration order, outside its bound."""
+    for field in dataclasses.fields(config):
+        bound = field.metadata.get("bound")
+        value = getattr(config, field.name)
+        if bound is not None:
+            require(bound.holds(value), field.name, value, bound.rule)
 
 
 def parse_bytes(text: str) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 import signal
@@ -36,7 +37,7 @@ from worker.memory import (
     size_pool,
 )
 from worker.observe import WorkerMetrics
-from worker.runner import ModelRunner, kv_bytes_per_block
+from worker.runner import ModelRunner, RunnerConfig, kv_bytes_per_block
 from worker.server import WorkerIdentity, WorkerServicer
 from worker.speculate import SpeculationConfig
 
@@ -130,13 +131,9 @@ def build_runner(
     step_tokens = max(min(config.max_batched_tokens, max_model_len - 1), 1)
     bs = config.block_size
     # On CUDA the scratch runner captures the decode graphs too: their memory is in the peak.
-    scratch = ModelRunner(
-        loaded,
-        (step_tokens + 1 + bs - 1) // bs,
-        bs,
-        config.max_batched_tokens,
-        graphs=config.graph_sizes,
-    )
+    scratch_blocks = (step_tokens + 1 + bs - 1) // bs
+    shape = RunnerConfig(scratch_blocks, bs, config.max_batched_tokens, graphs=config.graph_sizes)
+    scratch = ModelRunner(loaded, shape)
     warm_up(scratch, step_tokens)
     del scratch
     size = size_pool(
@@ -150,16 +147,10 @@ def build_runner(
         num_blocks=config.num_kv_blocks,
     )
     speculation = SpeculationConfig(config.speculative, config.num_speculative_tokens)
-    runner = ModelRunner(
-        loaded,
-        size.num_blocks,
-        bs,
-        config.max_batched_tokens,
-        speculation,
-        draft,
-        draft_shares_kv,
-        config.graph_sizes,
+    shape = dataclasses.replace(
+        shape, num_blocks=size.num_blocks, speculation=speculation, draft_shares_kv=draft_shares_kv
     )
+    runner = ModelRunner(loaded, shape, draft)
     warm_up(runner, min(bs * 2, size.num_blocks * bs - 1))
     return runner, size
 

@@ -48,24 +48,32 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * element
 
 
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The shape of one runner: its KV pool, its step budget and how it decodes."""
+
+    num_blocks: int
+    block_size: int
+    max_batched_tokens: int
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    draft_shares_kv: bool = False
+    """The draft model reads and writes the target's KV pool (only with its KV layout)."""
+    graphs: GraphSizes | None = DEFAULT_GRAPHS
+    """Which decode steps replay CUDA graphs (worker/graphs.py); used on CUDA with Canteen's
+    forward, or anywhere with ``eager=True``; None: none."""
+
+
 class ModelRunner:
     def __init__(
-        self,
-        loaded: LoadedModel,
-        num_blocks: int,
-        block_size: int,
-        max_batched_tokens: int,
-        speculation: SpeculationConfig | None = None,
-        draft: LoadedModel | None = None,
-        draft_shares_kv: bool = False,
-        graphs: GraphSizes | None = DEFAULT_GRAPHS,
+        self, loaded: LoadedModel, config: RunnerConfig, draft: LoadedModel | None = None
     ) -> None:
-        """``graphs``: which decode steps replay CUDA graphs (worker/graphs.py); used on CUDA
-        with Canteen's forward, or anywhere with ``eager=True``; None: none."""
+        """``draft``: the model that proposes tokens with ``--speculative draft``."""
         self.loaded = loaded
-        self.speculation = speculation or SpeculationConfig()
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.config = config
+        self.speculation = config.speculation
+        num_blocks, block_size = config.num_blocks, config.block_size
+        max_batched_tokens, graphs = config.max_batched_tokens, config.graphs
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.max_batched_tokens = max_batched_tokens
         graphed = graphs is not None and (
             graphs.eager or (loaded.device.type == "cuda" and loaded.forward_name == "fast")
@@ -87,7 +95,7 @@ class ModelRunner:
         )
         if (draft is not None) != (self.speculation.kind == "draft"):
             raise ValueError("a draft model goes with --speculative draft, and only with it")
-        if draft_shares_kv and (draft is None or not can_share_kv(loaded, draft, True)):
+        if config.draft_shares_kv and (draft is None or not can_share_kv(loaded, draft, True)):
             raise ValueError("only a draft with the target's KV layout can share its pool")
         self.draft = (
             DraftModel(
@@ -96,7 +104,7 @@ class ModelRunner:
                 block_size,
                 max_batched_tokens,
                 self.max_group_blocks,
-                shared_pool=self.kv_pool if draft_shares_kv else None,
+                shared_pool=self.kv_pool if config.draft_shares_kv else None,
             )
             if draft is not None
             else None

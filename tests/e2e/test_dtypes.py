@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from canteen.models import default_model_path
 from tests.support.runner import generate
 from worker.loader import load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -87,7 +87,7 @@ def _canteen(dtype: torch.dtype) -> tuple[dict[str, list[int]], dict[str, list[i
     """(batched, one at a time) greedy tokens from the runner on Canteen's forward."""
     loaded = load_model(str(_path()), "gguf", "", torch.device("cpu"), dtype, False)
     assert loaded.forward_name == "fast"
-    runner = ModelRunner(loaded, 8 * 5, 16, max_batched_tokens=2048)
+    runner = ModelRunner(loaded, RunnerConfig(8 * 5, 16, max_batched_tokens=2048))
     prompts = _prompts()
     batched = generate(runner, prompts, NEW)
     alone = {s: generate(runner, {s: p}, NEW)[s] for s, p in prompts.items()}

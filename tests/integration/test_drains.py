@@ -7,7 +7,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -15,29 +14,13 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.support.stack import Stack
 from tests.support.streams import Stream, generate, until
-from tests.support.suite import Service, Suite, wait_serving
+from tests.support.suite import Suite, wait_serving
 
 ARGS = ("--block-size", "8", "--threads", "1")
 BIG, SMALL = 520, 200  # worker-a's and worker-b's blocks: the router fills worker-a first
 LONG = 1000  # tokens of a long stream (127 blocks: fits either worker)
-
-
-@dataclass
-class Stack:
-    suite: Suite
-    registry: Service
-    scheduler: Service
-    gateway: Service
-    workers: dict[str, Service]
-
-    def stats(self) -> dict[str, scheduler_pb2.WorkerStats]:
-        with grpc.insecure_channel(self.scheduler.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=5
-            )
-        return {w.worker_id: w for w in reply.workers}
 
 
 def _not_ready(address: str, service: str) -> bool:

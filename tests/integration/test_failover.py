@@ -8,41 +8,20 @@ import re
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import pytest
 
-from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from canteen.v1 import common_pb2
 from tests.support import reference
+from tests.support.stack import Stack
 from tests.support.streams import Stream, generate, until
-from tests.support.suite import Service, Suite, wait_serving
+from tests.support.suite import Suite, wait_serving
 
 WORKER_ARGS = ("--num-kv-blocks", "256", "--block-size", "8", "--threads", "1")
 MAX_TOKENS = 300
 PROMPTS = [f"Story number {i} begins on a quiet morning" for i in range(6)]
-
-
-@dataclass
-class Stack:
-    suite: Suite
-    registry: Service
-    scheduler: Service
-    gateway: Service
-    workers: dict[str, Service] = field(default_factory=dict)
-
-    def start_worker(self, name: str) -> Service:
-        svc = self.suite.start_worker(self.registry, "tiny", *WORKER_ARGS, name=name)
-        self.workers[name] = svc
-        return svc
-
-    def stats(self) -> dict[str, scheduler_pb2.WorkerStats]:
-        with grpc.insecure_channel(self.scheduler.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=5
-            )
-        return {w.worker_id: w for w in reply.workers}
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +33,8 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             registry, "--max-step-stall", "0", "--failover-wait", "20", "--worker-timeout", "10"
         )
         st = Stack(s, registry, scheduler, gateway=None)  # type: ignore[arg-type]
-        st.start_worker("worker-a")
-        st.start_worker("worker-b")
+        st.start_worker("worker-a", *WORKER_ARGS)
+        st.start_worker("worker-b", *WORKER_ARGS)
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         st.gateway = s.start_gateway(registry, scheduler)
         yield st
@@ -88,7 +67,7 @@ def test_sigkill_mid_stream_moves_every_stream_without_losing_a_token(stack: Sta
     assert victim not in stats
     assert stats[survivor].num_free_blocks == stats[survivor].num_total_blocks
     # Restore two workers for the next test.
-    stack.start_worker(victim)
+    stack.start_worker(victim, *WORKER_ARGS)
 
 
 def test_sigkill_mid_stream_constrained_streams_continue_exactly(
@@ -114,7 +93,7 @@ def test_sigkill_mid_stream_constrained_streams_continue_exactly(
         assert s.tokens == generate(stack.gateway.address, prompt, MAX_TOKENS, s.seed, constraint)
         text = reference.tokenizer(tiny_model_dir).decode(s.tokens)  # type: ignore[attr-defined]
         assert re.fullmatch(constraint.regex, text), text
-    stack.start_worker(victim)
+    stack.start_worker(victim, *WORKER_ARGS)
 
 
 def test_with_no_worker_left_a_stream_waits_for_a_restarted_one(stack: Stack) -> None:
@@ -128,7 +107,7 @@ def test_with_no_worker_left_a_stream_waits_for_a_restarted_one(stack: Stack) ->
     stack.workers.pop(only).process.send_signal(signal.SIGKILL)
     time.sleep(0.5)
     assert stream.is_alive() and stream.error is None  # waiting, not failed
-    stack.start_worker("worker-c")
+    stack.start_worker("worker-c", *WORKER_ARGS)
     stream.join(120)
     assert stream.error is None, stream.error
     assert stream.tokens == generate(stack.gateway.address, PROMPTS[0], MAX_TOKENS)
@@ -165,8 +144,8 @@ def test_a_worker_that_stops_answering_is_lost_after_the_worker_timeout(
         registry = s.start_tiny_registry(tiny_model_dir)
         scheduler = s.start_scheduler(registry, "--max-step-stall", "0", "--worker-timeout", "2")
         st = Stack(s, registry, scheduler, gateway=None)  # type: ignore[arg-type]
-        st.start_worker("worker-a")
-        st.start_worker("worker-b")
+        st.start_worker("worker-a", *WORKER_ARGS)
+        st.start_worker("worker-b", *WORKER_ARGS)
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         st.gateway = s.start_gateway(registry, scheduler)
         streams = [Stream(st.gateway.address, p, MAX_TOKENS) for p in PROMPTS[:4]]

@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support import reference
+from tests.support.stack import worker_stats
 from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, canteen_models
 from tests.support.tiny_model import build_tiny_model
 
@@ -32,13 +32,7 @@ class Models:
         self.client = openai.OpenAI(base_url=f"{gateway.http_url}/v1", api_key="x", max_retries=0)
 
     def steps(self) -> dict[str, int]:
-        import grpc
-
-        with grpc.insecure_channel(self.scheduler.address) as channel:
-            stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=5
-            )
-        return {w.worker_id: w.num_steps for w in stats.workers}
+        return {wid: w.num_steps for wid, w in worker_stats(self.scheduler.address).items()}
 
 
 def _cli(registry: Service, *args: str) -> None:

@@ -17,9 +17,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from canteen.v1 import (
     registry_pb2,
     registry_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
 )
+from tests.support.stack import worker_stats
 from tests.support.streams import Stream, generate, until
 from tests.support.suite import ADMIN_KEY, Service, Suite, wait_serving
 
@@ -124,11 +123,8 @@ def test_a_registry_restart_keeps_every_model_and_workers_come_back(stack: Stack
 
         until(worker_registered, 20, "the worker to re-register")
     # The scheduler kept its link through the registry's absence.
-    with grpc.insecure_channel(stack.scheduler.address) as channel:
-        stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-            scheduler_pb2.GetStatsRequest(), timeout=5
-        )
-    assert [w.worker_id for w in stats.workers if w.is_ready] == ["worker"]
+    stats = worker_stats(stack.scheduler.address)
+    assert [wid for wid, w in stats.items() if w.is_ready] == ["worker"]
     assert len(generate(stack.gateway.address, "registry is back", 5)) == 5
 
 

@@ -14,7 +14,6 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,10 +21,11 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from canteen.v1 import inference_pb2, inference_pb2_grpc
 from tests.support import reference
+from tests.support.stack import Stack
 from tests.support.streams import Stream, until
-from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, wait_serving
+from tests.support.suite import TRANSFORMERS_DTYPE, Suite, wait_serving
 
 WORKER_ARGS = (
     "--speculative", "ngram", "--num-speculative-tokens", "4", "--num-kv-blocks", "48",
@@ -37,21 +37,7 @@ ACCEPTED = "canteen_speculative_accepted_tokens_total"
 T = TypeVar("T")
 
 
-@dataclass
-class Spec:
-    suite: Suite
-    registry: Service
-    scheduler: Service
-    gateway: Service
-    workers: dict[str, Service]
-
-    def stats(self) -> dict[str, scheduler_pb2.WorkerStats]:
-        with grpc.insecure_channel(self.scheduler.address) as channel:
-            reply = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
-                scheduler_pb2.GetStatsRequest(), timeout=5
-            )
-        return {w.worker_id: w for w in reply.workers}
-
+class Spec(Stack):
     def complete(self, prompt: str, max_tokens: int, **fields: Any) -> list[int]:
         request = inference_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, **fields)
         with grpc.insecure_channel(self.gateway.address) as channel:

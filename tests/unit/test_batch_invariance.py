@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from tests.support.mixes import Arrival, alone, run_mix
 from tests.support.tiny_model import build_tiny_model
 from worker.loader import choose_dtype, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 from worker.speculate import SpeculationConfig
 
 BLOCK = 8
@@ -52,8 +52,10 @@ def _runner(
         loaded = load_model(
             str(model_dir), "safetensors", "", device, chosen, False, quantization=quantization
         )
-        spec = SpeculationConfig(kind=speculative, num_tokens=4) if speculative != "none" else None
-        _runners[key] = ModelRunner(loaded, 6000, BLOCK, max_batched_tokens=1024, speculation=spec)
+        spec = SpeculationConfig(kind=speculative, num_tokens=4)
+        _runners[key] = ModelRunner(
+            loaded, RunnerConfig(6000, BLOCK, max_batched_tokens=1024, speculation=spec)
+        )
     return _runners[key]
 
 

@@ -11,7 +11,7 @@ import torch
 from canteen.plan import Constraint, NewSequence, Sampling, ScheduledSequence, StepPlan
 from tests.support import reference
 from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 REGEX = Constraint("regex", r"[a-z]{4}( [a-z]{2,6}){6}\.")
 PROMPT = [5, 17, 42, 99, 7]
@@ -49,7 +49,7 @@ def _run(
 def test_a_constrained_row_matches_and_free_rows_stay_exact(
     loaded: LoadedModel, tiny_model_dir: Path
 ) -> None:
-    runner = ModelRunner(loaded, 64, 8, 256)
+    runner = ModelRunner(loaded, RunnerConfig(64, 8, 256))
     free = [3, 1, 4, 1, 5, 9, 2, 6]
     out = _run(
         runner,
@@ -70,17 +70,21 @@ def test_a_constrained_row_matches_and_free_rows_stay_exact(
 
 def test_a_resumed_sequence_replays_its_tokens_and_continues_exactly(loaded: LoadedModel) -> None:
     sampling = Sampling(temperature=1.0, seed=9, constraint=REGEX)
-    whole = _run(ModelRunner(loaded, 64, 8, 256), {"s": (PROMPT, sampling, len(PROMPT))}, 16)["s"]
+    whole = _run(
+        ModelRunner(loaded, RunnerConfig(64, 8, 256)), {"s": (PROMPT, sampling, len(PROMPT))}, 16
+    )["s"]
     first = whole[:6]
     # A new worker gets the prompt plus the six tokens made before the move.
     rest = _run(
-        ModelRunner(loaded, 64, 8, 256), {"s": (PROMPT + first, sampling, len(PROMPT))}, 10
+        ModelRunner(loaded, RunnerConfig(64, 8, 256)),
+        {"s": (PROMPT + first, sampling, len(PROMPT))},
+        10,
     )["s"]
     assert first + rest == whole
 
 
 def test_generated_tokens_the_grammar_refuses_fail_only_that_sequence(loaded: LoadedModel) -> None:
-    runner = ModelRunner(loaded, 64, 8, 256)
+    runner = ModelRunner(loaded, RunnerConfig(64, 8, 256))
     bad = NewSequence(
         "bad", (*PROMPT, 2, 2, 2), Sampling(0.0, constraint=REGEX), tuple(range(12)),
         num_prompt_tokens=len(PROMPT),

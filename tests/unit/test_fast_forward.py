@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from tests.support.runner import generate
 from worker.loader import load_model
 from worker.quant import GROUP_SIZE, Int4Linear, Q4Groups
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 BLOCK = 8
 VOCAB = 256
@@ -72,7 +72,7 @@ def test_every_family_decodes_the_tokens_of_transformers(model_type: str, tmp_pa
     path = _build(tmp_path / model_type, model_type)
     loaded = load_model(str(path), "safetensors", "", torch.device("cpu"), torch.float32, False)
     assert loaded.forward_name == ("transformers" if model_type == "olmo2" else "fast")
-    runner = ModelRunner(loaded, 4 * 8, BLOCK, max_batched_tokens=256)
+    runner = ModelRunner(loaded, RunnerConfig(4 * 8, BLOCK, max_batched_tokens=256))
     batched = generate(runner, PROMPTS, 10)
     for seq_id, prompt in PROMPTS.items():
         alone = generate(runner, {seq_id: prompt}, 10)[seq_id]
@@ -136,7 +136,7 @@ def test_decode_layers_in_one_op_equal_the_layer_by_layer_path(
     assert isinstance(model, FastModel) and model.stack is not None
     stack, norm = model.stack, model.norm
     assert norm is not None
-    runner = ModelRunner(loaded, 4 * 8, BLOCK, max_batched_tokens=256)
+    runner = ModelRunner(loaded, RunnerConfig(4 * 8, BLOCK, max_batched_tokens=256))
     seen: dict[bool, list[torch.Tensor]] = {True: [], False: []}
     tokens: dict[bool, list[dict[str, list[int]]]] = {True: [], False: []}
     for use in (True, False):

@@ -16,7 +16,7 @@ from worker.config import WorkerConfig
 from worker.graphs import GraphSizes
 from worker.loader import load_model
 from worker.paged_attention import layer_view
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 BLOCK = 8
 NUM_BLOCKS = 32
@@ -44,13 +44,15 @@ def test_padded_decode_steps_give_the_eager_forwards_tokens(
     weights = _build(tmp_path / model_type, model_type)
     loaded = load_model(str(weights), "safetensors", "", torch.device("cpu"), torch.float32, False)
     sizes = GraphSizes(max_batch=4, max_context=32, min_context=16, eager=True)
-    graphed = ModelRunner(loaded, NUM_BLOCKS, BLOCK, 256, graphs=sizes)
-    plain = ModelRunner(loaded, NUM_BLOCKS, BLOCK, 256, graphs=None)
+    graphed = ModelRunner(loaded, RunnerConfig(NUM_BLOCKS, BLOCK, 256, graphs=sizes))
+    plain = ModelRunner(loaded, RunnerConfig(NUM_BLOCKS, BLOCK, 256, graphs=None))
     assert graphed.graphs is not None and plain.graphs is None
     three = {k: PROMPTS[k] for k in ("p0", "p1", "p2")}  # 5, 12 and 19 tokens
     assert generate(graphed, three, 10) == generate(plain, three, 10)
     assert graphed.graphs.replays == 9  # step 1 prefills; the longest context is 28 tokens
-    assert ModelRunner(loaded, NUM_BLOCKS, BLOCK, 256).graphs is None  # CUDA only by default
+    assert (
+        ModelRunner(loaded, RunnerConfig(NUM_BLOCKS, BLOCK, 256)).graphs is None
+    )  # CUDA only by default
     before = graphed.graphs.replays
     assert generate(graphed, PROMPTS, 10) == generate(plain, PROMPTS, 10)
     # step k computes p3's (26 tokens) position 24 + k: steps 2-7 fit 32 tokens, 8-10 not
@@ -66,7 +68,7 @@ def test_padding_rows_write_only_the_scratch_block(tmp_path: Path) -> None:
     weights = _build(tmp_path / "llama", "llama")
     loaded = load_model(str(weights), "safetensors", "", torch.device("cpu"), torch.float32, False)
     sizes = GraphSizes(max_batch=8, max_context=64, min_context=16, eager=True)
-    runner = ModelRunner(loaded, NUM_BLOCKS, BLOCK, 256, graphs=sizes)
+    runner = ModelRunner(loaded, RunnerConfig(NUM_BLOCKS, BLOCK, 256, graphs=sizes))
     assert runner.kv_pool.shape[2] == NUM_BLOCKS + 1  # the scratch block
     assert runner.ledger.num_blocks == NUM_BLOCKS
     three = {k: PROMPTS[k] for k in ("p0", "p1", "p2")}
@@ -80,7 +82,7 @@ def test_padding_rows_write_only_the_scratch_block(tmp_path: Path) -> None:
     for view in slots:
         assert torch.isnan(view[:, :, held * BLOCK : NUM_BLOCKS * BLOCK]).all()
         assert not torch.isnan(view[:, :, : held * BLOCK]).any()
-    plain = ModelRunner(loaded, NUM_BLOCKS, BLOCK, 256, graphs=None)
+    plain = ModelRunner(loaded, RunnerConfig(NUM_BLOCKS, BLOCK, 256, graphs=None))
     assert tokens == generate(plain, three, 10)
 
 

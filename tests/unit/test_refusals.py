@@ -21,7 +21,7 @@ from scheduler.sequence import Status
 from tests.support import reference
 from tests.unit.test_batcher import FakeWorker, make_scheduler, make_seq
 from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 BLOCK = 8
 
@@ -83,7 +83,7 @@ def _run(runner: ModelRunner, seq_id: str, first: int, steps: int) -> list[int]:
 def test_the_worker_refuses_bad_entries_and_runs_the_rest_exactly(
     loaded: LoadedModel, tiny_model_dir: Path
 ) -> None:
-    runner = ModelRunner(loaded, 16, BLOCK, max_batched_tokens=256)
+    runner = ModelRunner(loaded, RunnerConfig(16, BLOCK, max_batched_tokens=256))
     prompt = [(i * 11) % 200 + 3 for i in range(12)]
     vocab = runner.vocab_size
     bad = {
@@ -114,7 +114,7 @@ def test_the_worker_refuses_bad_entries_and_runs_the_rest_exactly(
 def test_a_cached_prefix_is_accepted_only_over_blocks_holding_those_tokens(
     loaded: LoadedModel, tiny_model_dir: Path
 ) -> None:
-    runner = ModelRunner(loaded, 16, BLOCK, max_batched_tokens=256)
+    runner = ModelRunner(loaded, RunnerConfig(16, BLOCK, max_batched_tokens=256))
     prompt = [(i * 5) % 150 + 7 for i in range(20)]
     runner.step(StepPlan(1, (_new("a", prompt, [0, 1, 2]),), (ScheduledSequence("a", 20),)))
     # "a" finished: its two full blocks keep their contents; "b" shares them as cached.

@@ -13,7 +13,7 @@ from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from tests.support import reference
 from worker.batch import group_decodes
 from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 
 BLOCK = 8
 
@@ -59,7 +59,7 @@ def test_long_prefill_in_query_slices_matches_transformers(
 ) -> None:
     # max_batched_tokens=8 allows 64 scores per slice: a 24-token chunk over a 100-token
     # context is attended one query row at a time.
-    runner = ModelRunner(loaded, 32, BLOCK, max_batched_tokens=8)
+    runner = ModelRunner(loaded, RunnerConfig(32, BLOCK, max_batched_tokens=8))
     prompt = [(i * 7) % 200 + 3 for i in range(100)]
     got = _generate(runner, {"a": prompt}, 12, chunk=24)
     assert got["a"] == reference.greedy(tiny_model_dir, prompt, 12)
@@ -71,7 +71,7 @@ def test_decode_groups_on_a_small_pool_match_each_alone(
     # 6 blocks of gather per group: sequences of 1..5 blocks split into several groups.
     prompts = {f"s{i}": [(i * 13 + j) % 150 + 5 for j in range(4 + 9 * i)] for i in range(4)}
     need = sum(-(-(len(p) + 10) // BLOCK) for p in prompts.values())
-    runner = ModelRunner(loaded, need, BLOCK, max_batched_tokens=256)
+    runner = ModelRunner(loaded, RunnerConfig(need, BLOCK, max_batched_tokens=256))
     assert len(group_decodes([(0, [0] * need, 1), (1, [0] * 2, 1)], 6)) == 2
     got = _generate(runner, prompts, 10, chunk=256)
     for seq_id, prompt in prompts.items():

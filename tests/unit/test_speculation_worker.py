@@ -13,7 +13,7 @@ from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan, Ste
 from tests.support import reference
 from worker.draft import can_share_kv
 from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner
+from worker.runner import ModelRunner, RunnerConfig
 from worker.speculate import SpeculationConfig, accept, propose_ngram
 
 K = 4
@@ -75,8 +75,8 @@ def test_greedy_with_drafts_equals_transformers_and_drafts_are_accepted(
     tok = reference.tokenizer(tiny_model_dir)
     text = "The capital of France is Paris. The capital of Italy is Rome. " * 3
     prompt = list(tok(text, add_special_tokens=False)["input_ids"])  # type: ignore[operator]
-    plain = ModelRunner(loaded, 64, 8, 256)
-    drafting = ModelRunner(loaded, 64, 8, 256, SpeculationConfig("ngram", K))
+    plain = ModelRunner(loaded, RunnerConfig(64, 8, 256))
+    drafting = ModelRunner(loaded, RunnerConfig(64, 8, 256, SpeculationConfig("ngram", K)))
     expected = reference.greedy(tiny_model_dir, prompt, 40)
     assert _decode(plain, prompt, Sampling(0.0), 40) == expected
     steps = _record_steps(drafting)
@@ -92,10 +92,10 @@ def test_greedy_with_drafts_equals_transformers_and_drafts_are_accepted(
 def test_seeded_sampling_with_drafts_makes_the_same_tokens(loaded: LoadedModel) -> None:
     prompt = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 9]
     sampling = Sampling(temperature=0.8, top_p=0.95, seed=1234)
-    plain_runner = ModelRunner(loaded, 64, 8, 256)
+    plain_runner = ModelRunner(loaded, RunnerConfig(64, 8, 256))
     plain_steps = _record_steps(plain_runner)
     plain = _decode(plain_runner, prompt, sampling, 40)
-    drafting = ModelRunner(loaded, 64, 8, 256, SpeculationConfig("ngram", K))
+    drafting = ModelRunner(loaded, RunnerConfig(64, 8, 256, SpeculationConfig("ngram", K)))
     steps = _record_steps(drafting)
     assert _decode(drafting, prompt, sampling, 40) == plain
     # drafts were verified, and some held, on one side only (both were granted K each step)
@@ -122,7 +122,9 @@ def test_a_draft_model_changes_no_token(
     draft = other if which == "other" else loaded
     spec = SpeculationConfig("draft", K)
     prompt = [7, 8, 9, 10, 11, 3, 5, 8, 13, 21]
-    runner = ModelRunner(loaded, 64, 8, 256, spec, draft=draft, draft_shares_kv=which == "shared")
+    runner = ModelRunner(
+        loaded, RunnerConfig(64, 8, 256, spec, draft_shares_kv=which == "shared"), draft
+    )
     assert runner.draft is not None
     assert (runner.draft.kv_pool is runner.kv_pool) == (which == "shared")
     steps = _record_steps(runner)
@@ -135,7 +137,7 @@ def test_a_draft_model_changes_no_token(
     if which != "other":
         assert accepted == drafts and len(steps) <= 40 // (K + 1) + 2
     sampling = Sampling(temperature=0.8, seed=77)
-    plain = _decode(ModelRunner(loaded, 64, 8, 256), prompt, sampling, 40)
+    plain = _decode(ModelRunner(loaded, RunnerConfig(64, 8, 256)), prompt, sampling, 40)
     assert _decode(runner, prompt, sampling, 40) == plain
 
 
@@ -165,5 +167,7 @@ def test_only_a_draft_of_the_same_weights_and_layout_reads_the_targets_pool(
     assert not can_share_kv(loaded, other, same_weights=True)  # another KV layout
     with pytest.raises(ValueError, match="only a draft with the target's KV layout"):
         ModelRunner(
-            loaded, 64, 8, 256, SpeculationConfig("draft", K), draft=other, draft_shares_kv=True
+            loaded,
+            RunnerConfig(64, 8, 256, SpeculationConfig("draft", K), draft_shares_kv=True),
+            other,
         )
