@@ -67,8 +67,10 @@ def test_paged_decode_equals_the_gathering_torch_path(dtype: torch.dtype, dim: i
     got = _kernel(pool, q, group)
     want = _decode(pool, q, group, 0.25)
     assert got.dtype == dtype and got.shape == (4, heads * dim)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16: one output rounding
-    torch.testing.assert_close(got.float(), want.float(), atol=tolerance, rtol=tolerance)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # one output rounding: at most one bfloat16 step apart (measured: 2**-9 at most)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-4, rtol=2**-7)
     # padding never counts: garbage in every slot past each row's length changes nothing
     used = torch.zeros(blocks * BLOCK, dtype=torch.bool)
     for row, n in enumerate(group.lens.tolist()):
