@@ -15,8 +15,8 @@ import torch
 
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
-from worker.loader import choose_dtype, load_model
-from worker.runner import ModelRunner, RunnerConfig
+from worker.loader import LoadedModel, choose_dtype, load_model
+from worker.runner import ModelRunner
 
 BLOCK = 16
 MAX_BATCHED = 2048
@@ -59,6 +59,16 @@ def prefill_ms(runner: ModelRunner, prompt: int) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
+def make_runner(loaded: LoadedModel, num_blocks: int) -> ModelRunner:
+    """The runner as this tree builds it, or as revisions before RunnerConfig did (the base
+    of bench/revisions.py may be either)."""
+    try:
+        from worker.runner import RunnerConfig
+    except ImportError:
+        return ModelRunner(loaded, num_blocks, BLOCK, max_batched_tokens=MAX_BATCHED)  # type: ignore[arg-type]
+    return ModelRunner(loaded, RunnerConfig(num_blocks, BLOCK, max_batched_tokens=MAX_BATCHED))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batches", default="1,16,32")
@@ -74,7 +84,7 @@ def main() -> None:
     )
     batches = [int(b) for b in args.batches.split(",")]
     num_blocks = max(max(batches) * 4, -(-args.prompt // BLOCK) + 2)
-    runner = ModelRunner(loaded, RunnerConfig(num_blocks, BLOCK, max_batched_tokens=MAX_BATCHED))
+    runner = make_runner(loaded, num_blocks)
     out: dict[str, float] = {}
     with torch.inference_mode():
         prefill_ms(runner, 64)  # warm-up
