@@ -38,78 +38,16 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from canteen.batching import BatchConfig
 from canteen.finish import Finish
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
+from scheduler.inflight import Ahead, Entry, InFlightSums
 from scheduler.kv import KVManager
 from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
-
-
-@dataclass(frozen=True)
-class _Entry:
-    """One sequence of a plan in flight, as it was when the plan was sent."""
-
-    seq: Sequence
-    incarnation: int
-    num_tokens: int
-    samples: bool
-    drafts: int = 0  # draft tokens granted: its result may carry up to drafts + 1 tokens
-
-    @property
-    def is_current(self) -> bool:
-        return self.seq.status is Status.RUNNING and self.seq.incarnation == self.incarnation
-
-
-@dataclass(frozen=True)
-class _InFlight:
-    """One sequence's entries in the plans in flight, summed: what they will compute and
-    sample for it if they come back as sent."""
-
-    num_tokens: int = 0
-    num_samples: int = 0
-    num_drafts: int = 0  # draft tokens granted: each may hold or not
-
-
-_NOTHING_IN_FLIGHT = _InFlight()
-
-
-@dataclass(frozen=True)
-class _Ahead:
-    """A sequence as the next plan sees it, assuming the plans in flight come back."""
-
-    seq: Sequence
-    plans: _InFlight
-
-    @property
-    def num_scheduled(self) -> int:
-        """Tokens computed, or being computed by a plan in flight."""
-        return self.seq.num_computed + self.plans.num_tokens
-
-    @property
-    def num_unscheduled(self) -> int:
-        """Tokens known once the plans in flight return that no plan computes yet."""
-        return self.seq.num_tokens + self.plans.num_samples - self.num_scheduled
-
-    @property
-    def is_decoding(self) -> bool:
-        """Past its prompt once the plans in flight return: one token a step."""
-        has_output = bool(self.seq.output_ids) or self.plans.num_samples > 0
-        return has_output and self.num_unscheduled == 1
-
-    @property
-    def num_samples_at_most(self) -> int:
-        """Tokens the plans in flight sample if every draft in them holds."""
-        return self.plans.num_samples + self.plans.num_drafts
-
-    @property
-    def num_scheduled_at_most(self) -> int:
-        """``num_scheduled`` if every draft in flight holds: what its blocks must cover."""
-        return self.num_scheduled + self.plans.num_drafts
 
 
 class BatchScheduler:
@@ -133,8 +71,8 @@ class BatchScheduler:
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self._pending_drops: list[str] = []
-        self._in_flight: deque[tuple[StepPlan, dict[str, _Entry]]] = deque()
-        self._per_seq: dict[str, _InFlight] = {}  # by seq_id: its entries above, summed
+        self._in_flight: deque[tuple[StepPlan, dict[str, Entry]]] = deque()
+        self._sums = InFlightSums()  # by seq_id: its entries above, summed
         self._admit_counter = 0
         self._ticks = 0  # results applied so far
         self.cost = (
@@ -183,7 +121,7 @@ class BatchScheduler:
         self.waiting.clear()
         self._pending_drops.clear()
         self._in_flight.clear()
-        self._per_seq.clear()
+        self._sums.clear()
         return evicted
 
     @property
@@ -264,7 +202,7 @@ class BatchScheduler:
         made = Counter(t.seq_id for t in result.tokens)
         for seq_id, seq in current.items():
             entry = entries[seq_id]
-            self._count(entry, -1)
+            self._sums.count(entry, -1)
             if seq_id not in refused:
                 known = seq.num_computed + entry.num_tokens
                 # accepted drafts were computed too; their tokens arrive with this result
@@ -289,18 +227,8 @@ class BatchScheduler:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _ahead(self, seq: Sequence) -> _Ahead:
-        return _Ahead(seq, self._per_seq.get(seq.seq_id, _NOTHING_IN_FLIGHT))
-
-    def _count(self, entry: _Entry, sign: int) -> None:
-        """Adds a plan's entry to its sequence's sums (sign 1: sent), or takes it back
-        (sign -1: answered)."""
-        was = self._per_seq.get(entry.seq.seq_id, _NOTHING_IN_FLIGHT)
-        self._per_seq[entry.seq.seq_id] = _InFlight(
-            was.num_tokens + sign * entry.num_tokens,
-            was.num_samples + sign * entry.samples,
-            was.num_drafts + sign * entry.drafts,
-        )
+    def _ahead(self, seq: Sequence) -> Ahead:
+        return self._sums.ahead(seq)
 
     def _observe(self, plan: StepPlan, result: StepResult, since: float | None) -> None:
         """Feeds the cost model and the speculation rule; ``since``: seconds since the
@@ -435,7 +363,7 @@ class BatchScheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.release(seq)
-        self._per_seq.pop(seq.seq_id, None)  # results of plans sent before now no longer apply
+        self._sums.forget(seq.seq_id)  # results of plans sent before now no longer apply
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
         seq.is_on_worker = False
@@ -448,7 +376,7 @@ class BatchScheduler:
         if seq in self.running:
             self.running.remove(seq)
         self.kv.release(seq)
-        self._per_seq.pop(seq.seq_id, None)
+        self._sums.forget(seq.seq_id)
         if seq.is_on_worker:
             self._pending_drops.append(seq.seq_id)
             seq.is_on_worker = False
@@ -463,7 +391,7 @@ class BatchScheduler:
     ) -> StepPlan:
         new: list[NewSequence] = []
         scheduled: list[ScheduledSequence] = []
-        entries: dict[str, _Entry] = {}
+        entries: dict[str, Entry] = {}
         for seq, n in chosen:
             if seq.is_on_worker:
                 fresh = tuple(seq.block_ids[seq.num_sent_blocks :])
@@ -486,8 +414,8 @@ class BatchScheduler:
             # computes its last known token: samples one
             samples = self._ahead(seq).num_unscheduled == n
             k = grants.get(seq.seq_id, 0)
-            entries[seq.seq_id] = entry = _Entry(seq, seq.incarnation, n, samples, k)
-            self._count(entry, 1)
+            entries[seq.seq_id] = entry = Entry(seq, seq.incarnation, n, samples, k)
+            self._sums.count(entry, 1)
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
             if self.depth > 1 and seq.is_done_after(self._ahead(seq).plans.num_samples):
                 self._drop_early(seq)
