@@ -26,20 +26,19 @@ from prometheus_client import CollectorRegistry
 from canteen.auth import ApiKeys, AuthenticationError
 from canteen.logging import get_logger
 from canteen.metrics import metrics_handler
-from gateway.errors import InvalidInputError, UpstreamError, refuse_unknown, status_of
-from gateway.limits import RateLimitedError
-from gateway.openai_api import (
+from gateway.errors import InvalidInputError, UpstreamError, refuse_unknown
+from gateway.http_errors import HttpError, as_http_error, error_body, error_response
+from gateway.openai_api import OpenAIRequest, parse_request
+from gateway.openai_messages import check_text, parse_messages
+from gateway.openai_responses import (
     ChoiceResult,
-    OpenAIRequest,
     TokenLogprobs,
     chunks_json,
     logprobs_json,
-    parse_request,
     response_json,
     usage_chunk_json,
     usage_json,
 )
-from gateway.openai_messages import check_text, parse_messages
 from gateway.output import TextDelta, Usage, add_choice_usage
 from gateway.service import Admitted, InferenceService, choose_request_id
 from gateway.status import status_routes
@@ -53,59 +52,6 @@ _ADMIN_PATHS = frozenset({"/metrics", "/status", "/status.json"})
 # What /tokenize and /detokenize read; any other field is refused, naming it.
 _TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages"})
 _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
-
-STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-}
-
-
-class HttpError(Exception):
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        retry_after: float = 0.0,
-        param: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.code, self.retry_after, self.param = code, retry_after, param
-
-
-def error_body(
-    code: grpc.StatusCode, message: str, param: str | None = None
-) -> tuple[int, dict[str, Any]]:
-    """OpenAI's error object; ``param`` names the request field at fault, when one is."""
-    status, kind = STATUS.get(code, (500, "internal_error"))
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": code.name}}
-
-
-def error_response(exc: HttpError) -> web.Response:
-    status, body = error_body(exc.code, str(exc), exc.param)
-    headers = {"Retry-After": str(max(1, round(exc.retry_after + 0.5)))} if status == 429 else {}
-    return web.json_response(body, status=status, headers=headers)
-
-
-def as_http_error(exc: Exception) -> HttpError:
-    if isinstance(exc, HttpError):
-        return exc
-    if isinstance(exc, AuthenticationError):
-        return HttpError(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-    if isinstance(exc, RateLimitedError):
-        return HttpError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), exc.retry_after)
-    code = status_of(exc)
-    if code is None:
-        raise exc
-    return HttpError(
-        code, str(exc), param=exc.param if isinstance(exc, InvalidInputError) else None
-    )
 
 
 def _bearer(authorization: str | None) -> str | None:

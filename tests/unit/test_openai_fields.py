@@ -15,7 +15,7 @@ from pydantic import BaseModel
 import gateway.openai_api
 from canteen.v1 import inference_pb2
 from gateway.errors import InvalidInputError
-from gateway.http import as_http_error, error_response
+from gateway.http_errors import as_http_error, error_response
 from gateway.openai_api import parse_request
 from gateway.openai_messages import _KEYS
 from gateway.server import input_from_pb, messages_from_pb, tools_from_pb
