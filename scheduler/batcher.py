@@ -17,20 +17,8 @@ waits at the front of the queue with its generated tokens kept, so its stream re
 Sequences join and leave the batch between any two steps. Block tables change only through
 the ``KVManager`` (scheduler/kv.py); which sequence gives its blocks up is decided here.
 
-Pipelining: with ``depth`` 2 the next plan is built and sent while the worker computes the
-previous one, so the worker never waits for a round trip. A plan assumes the plans in flight
-come back as sent: a sequence whose last known token is being sampled is scheduled for its
-next decode already (the worker appends the sampled token itself). One that then turns out
-to have stopped (EOS, a stop token) costs one wasted token and is dropped a step later;
-``max_tokens`` is known ahead, so no plan computes past it. The worker runs plans strictly in
-order, so blocks freed now may go to the next plan even while an earlier one is in flight.
-Results of a plan apply only to sequences still in the incarnation it was sent to.
-
-A plan that verifies drafts makes between one and drafts + 1 tokens a sequence, so the plan
-built on top of it assumes the most: its blocks and its drafts' room cover every draft in
-flight holding, and a sequence that would be done if they all held waits for the result. The
-worker computes "the sequence's next token" whatever came before, so the plan is right for
-any outcome; reserved blocks that the drafts did not fill serve the sequence's later tokens.
+Pipelining (the next plan built while the worker computes the previous one) and plans that
+verify drafts: scheduler/inflight.py.
 """
 
 from __future__ import annotations
@@ -48,6 +36,7 @@ from scheduler.inflight import Ahead, Entry, InFlightSums
 from scheduler.kv import KVManager
 from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
+from scheduler.timing import observe_step
 
 
 class BatchScheduler:
@@ -196,7 +185,7 @@ class BatchScheduler:
         now = self._clock()
         since = None if self._last_result_at is None else now - self._last_result_at
         self._last_result_at = now
-        self._observe(plan, result, since)
+        observe_step(self.cost, self.speculation, plan, result, since)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f.error for f in result.failed}
         made = Counter(t.seq_id for t in result.tokens)
@@ -229,23 +218,6 @@ class BatchScheduler:
 
     def _ahead(self, seq: Sequence) -> Ahead:
         return self._sums.ahead(seq)
-
-    def _observe(self, plan: StepPlan, result: StepResult, since: float | None) -> None:
-        """Feeds the cost model and the speculation rule; ``since``: seconds since the
-        previous result arrived (None for the first)."""
-        if result.total_ns <= 0 or not plan.scheduled:
-            return
-        seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
-        if self.cost is not None:
-            self.cost.observe(computed, seconds)
-        drafted = any(s.num_draft_tokens for s in plan.scheduled)
-        self.speculation.observe(
-            len(plan.scheduled) if plan.kind == "decode" else 0,
-            drafted,
-            _cycle_seconds(seconds, since),
-            result.num_draft_tokens,
-            result.num_accepted_tokens,
-        )
 
     def _run(
         self,
@@ -397,18 +369,7 @@ class BatchScheduler:
                 fresh = tuple(seq.block_ids[seq.num_sent_blocks :])
             else:
                 seq.incarnation += 1
-                new.append(
-                    NewSequence(
-                        seq.seq_id,
-                        tuple(seq.tokens),
-                        seq.sampling,
-                        tuple(seq.block_ids),
-                        seq.num_computed,
-                        seq.traceparent,
-                        seq.request_id,
-                        len(seq.prompt_ids),
-                    )
-                )
+                new.append(seq.as_new())
                 seq.is_on_worker, fresh = True, ()
             seq.num_sent_blocks = len(seq.block_ids)
             # computes its last known token: samples one
@@ -429,10 +390,3 @@ def end_unplaced(seq: Sequence, finish: Finish, error: str = "") -> SeqEvent:
     another): the one place outside ``BatchScheduler`` where a status and finish are set."""
     seq.status, seq.finish = Status.FINISHED, finish
     return SeqEvent.of(seq, finish=finish, error=error)
-
-
-def _cycle_seconds(seconds: float, since: float | None) -> float:
-    """What a step cost in wall time: where the worker waited for a round trip before it
-    (its plan could not be sent ahead), that too; a pipelined step costs only its own time.
-    A gap over the step's own time was idleness, not its cost."""
-    return seconds if since is None else min(max(since, seconds), 2 * seconds)

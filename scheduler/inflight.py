@@ -4,6 +4,21 @@ With pipelining, a plan is built while earlier ones are still being computed. Ea
 one ``Entry`` per sequence as it was sent; ``InFlightSums`` adds them up per sequence, so the
 next plan sees each sequence as it will be once the plans in flight come back (``Ahead``).
 The sums live here, in the batcher's plan records, not on the sequence.
+
+Pipelining: with ``depth`` 2 the next plan is built and sent while the worker computes the
+previous one, so the worker never waits for a round trip. A plan assumes the plans in flight
+come back as sent: a sequence whose last known token is being sampled is scheduled for its
+next decode already (the worker appends the sampled token itself). One that then turns out
+to have stopped (EOS, a stop token) costs one wasted token and is dropped a step later;
+``max_tokens`` is known ahead, so no plan computes past it. The worker runs plans strictly in
+order, so blocks freed now may go to the next plan even while an earlier one is in flight.
+Results of a plan apply only to sequences still in the incarnation it was sent to.
+
+A plan that verifies drafts makes between one and drafts + 1 tokens a sequence, so the plan
+built on top of it assumes the most: its blocks and its drafts' room cover every draft in
+flight holding, and a sequence that would be done if they all held waits for the result. The
+worker computes "the sequence's next token" whatever came before, so the plan is right for
+any outcome; reserved blocks that the drafts did not fill serve the sequence's later tokens.
 """
 
 from __future__ import annotations

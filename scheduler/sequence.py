@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from canteen.finish import Finish
-from canteen.plan import Sampling
+from canteen.plan import NewSequence, Sampling
 from scheduler.speculation import DraftRecord
 
 
@@ -96,6 +96,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def as_new(self) -> NewSequence:
+        """The sequence as a worker that does not hold it yet receives it (DESIGN: a new
+        sequence is sent once, its tokens, sampling, blocks and cached prefix)."""
+        return NewSequence(
+            self.seq_id,
+            tuple(self.tokens),
+            self.sampling,
+            tuple(self.block_ids),
+            self.num_computed,
+            self.traceparent,
+            self.request_id,
+            len(self.prompt_ids),
+        )
 
 
 @dataclass(frozen=True)

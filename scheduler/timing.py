@@ -1,0 +1,39 @@
+"""What a worker's step result teaches the batcher: what a step costs (scheduler/cost.py)
+and whether drafts pay (scheduler/speculation.py)."""
+
+from __future__ import annotations
+
+from canteen.plan import StepPlan, StepResult
+from scheduler.cost import StepCostModel
+from scheduler.speculation import SpeculationPolicy
+
+
+def observe_step(
+    cost: StepCostModel | None,
+    speculation: SpeculationPolicy,
+    plan: StepPlan,
+    result: StepResult,
+    since: float | None,
+) -> None:
+    """Feeds the cost model and the speculation rule; ``since``: seconds since the previous
+    result arrived (None for the first)."""
+    if result.total_ns <= 0 or not plan.scheduled:
+        return
+    seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
+    if cost is not None:
+        cost.observe(computed, seconds)
+    drafted = any(s.num_draft_tokens for s in plan.scheduled)
+    speculation.observe(
+        len(plan.scheduled) if plan.kind == "decode" else 0,
+        drafted,
+        cycle_seconds(seconds, since),
+        result.num_draft_tokens,
+        result.num_accepted_tokens,
+    )
+
+
+def cycle_seconds(seconds: float, since: float | None) -> float:
+    """What a step cost in wall time: where the worker waited for a round trip before it
+    (its plan could not be sent ahead), that too; a pipelined step costs only its own time.
+    A gap over the step's own time was idleness, not its cost."""
+    return seconds if since is None else min(max(since, seconds), 2 * seconds)
