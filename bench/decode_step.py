@@ -126,15 +126,13 @@ def matmul_flops(
 
 
 def _tensor_bytes(obj: object) -> int:
-    """A linear's weights as a one-row step reads them: a bfloat16 PackedLinear keeps a copy
-    in skinny_linear's lanes beside oneDNN's, and an int8 or int4 layer a copy in
-    quant_linear's layout beside torch's; any step reads only one of the two."""
+    """A linear's weights as a one-row step reads them: an int8 or int4 layer keeps a copy in
+    quant_linear's layout beside torch's, and a step reads only that one; a dense layer holds
+    one copy (Canteen's lanes, or oneDNN's or torch's weight)."""
     packed = getattr(obj, "packed", None)
     if packed is not None:
         return int(packed.weights.nbytes + packed.scales.nbytes)
-    return sum(
-        v.nbytes for k, v in vars(obj).items() if isinstance(v, torch.Tensor) and k != "lanes"
-    )
+    return sum(v.nbytes for v in vars(obj).values() if isinstance(v, torch.Tensor))
 
 
 def weight_bytes(loaded: LoadedModel) -> int:
