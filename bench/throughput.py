@@ -57,8 +57,8 @@ from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.v1 import inference_pb2, inference_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.support.metrics import scrape, value
 from tests.support.suite import Service, Stack, default_model_stack
-from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import LoadedModel, load_model
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from canteen.bench import Concurrency, Limits, Target, random_workload, run_bench
+from canteen.tools.bench import Concurrency, Limits, Target, random_workload, run_bench
 from tests.support.otlp import running_collector
 from tests.support.suite import Stack, default_model_stack
 

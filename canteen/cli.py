@@ -10,13 +10,13 @@ import sys
 import grpc
 
 from canteen import certs
-from canteen.bench import cli as bench_cli
-from canteen.chaos import cli as chaos_cli
 from canteen.finish import finish_from_pb
 from canteen.local import add_client_flags, admin_metadata, client_tls
 from canteen.models import MAX_ALIAS_WEIGHT
 from canteen.tls import aio_channel
-from canteen.up import cli as up_cli
+from canteen.tools.bench import cli as bench_cli
+from canteen.tools.chaos import cli as chaos_cli
+from canteen.tools.up import cli as up_cli
 from canteen.v1 import (
     inference_pb2,
     inference_pb2_grpc,

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from canteen.up.state import read_state
+from canteen.tools.up.state import read_state
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 _CHILD_FIELDS = ("name", "state", "pid", "port", "restarts", "last_exit", "since")

@@ -25,10 +25,8 @@ from canteen.tls import Policy, Tls, aio_channel
 from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from worker.config import WorkerConfig
-from worker.draft import can_share_kv
-from worker.engine import MainThreadExecutor
-from worker.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
-from worker.memory import (
+from worker.engine.engine import MainThreadExecutor
+from worker.engine.memory import (
     Baseline,
     MemoryBudgetError,
     PoolSize,
@@ -36,10 +34,12 @@ from worker.memory import (
     peak_bytes,
     size_pool,
 )
-from worker.observe import WorkerMetrics
-from worker.runner import ModelRunner, RunnerConfig, kv_bytes_per_block
+from worker.engine.observe import WorkerMetrics
+from worker.engine.runner import ModelRunner, RunnerConfig, kv_bytes_per_block
+from worker.model.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
 from worker.server import WorkerIdentity, WorkerServicer
-from worker.speculate import SpeculationConfig
+from worker.speculation.draft import can_share_kv
+from worker.speculation.speculate import SpeculationConfig
 
 log = get_logger("worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             engine.shutdown()
 
-    # gRPC runs beside; torch runs here, on the main thread (see worker/engine.py).
+    # gRPC runs beside; torch runs here, on the main thread (see worker/engine/engine.py).
     grpc_thread = threading.Thread(target=run_loop, name="grpc-loop", daemon=True)
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -21,8 +21,8 @@ from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
 from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
-from worker.graphs import GraphSizes
-from worker.speculate import SPECULATIVE_KINDS
+from worker.engine.graphs import GraphSizes
+from worker.speculation.speculate import SPECULATIVE_KINDS
 
 QUANTIZATIONS = one_of("none", "int8", "int4")
 

@@ -13,9 +13,9 @@ from canteen.codec import sampling_from_pb
 from canteen.logging import get_logger
 from canteen.plan import NewSequence, ScheduledSequence, StepPlan, StepResult
 from canteen.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from worker.memory import PoolSize
-from worker.observe import SequenceSpans, WorkerMetrics
-from worker.runner import ModelRunner
+from worker.engine.memory import PoolSize
+from worker.engine.observe import SequenceSpans, WorkerMetrics
+from worker.engine.runner import ModelRunner
 
 log = get_logger(__name__)
 

@@ -18,10 +18,10 @@ from typing import Any
 import grpc
 import pytest
 
-from canteen.chaos import ChaosConfig, Fault, ShellInjector, parse_faults, run_chaos
-from canteen.chaos.report import Outcome, Received, Report, classify
-from canteen.chaos.runner import Load
 from canteen.cli import main
+from canteen.tools.chaos import ChaosConfig, Fault, ShellInjector, parse_faults, run_chaos
+from canteen.tools.chaos.report import Outcome, Received, Report, classify
+from canteen.tools.chaos.runner import Load
 from canteen.v1 import (
     common_pb2,
     inference_pb2,

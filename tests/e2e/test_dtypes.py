@@ -22,8 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from canteen.models import default_model_path
 from tests.support.runner import generate
-from worker.loader import load_model
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import load_model
 
 pytestmark = pytest.mark.e2e
 

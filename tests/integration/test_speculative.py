@@ -232,7 +232,7 @@ def test_canteen_bench_reports_the_acceptance_rate(tiny_model_dir: Path, tmp_pat
 
 
 def _bench_and_compare(spec: Spec, tmp_path: Path) -> None:
-    from canteen.bench.server_stats import read_speculation
+    from canteen.tools.bench.server_stats import read_speculation
     from tests.integration.test_bench import canteen
 
     prompts = tmp_path / "prompts.jsonl"

@@ -14,7 +14,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service as ChromeService
 from selenium.webdriver.support.ui import WebDriverWait
 
-from canteen.up.state import ChildState, SuiteState
+from canteen.tools.up.state import ChildState, SuiteState
 from canteen.v1 import inference_pb2
 from tests.integration.conftest import NUM_KV_BLOCKS, TinySuite
 

@@ -25,7 +25,7 @@ from tests.integration.conftest import TinySuite
 from tests.support.streams import Stream, until
 from tests.support.suite import Service, Suite
 from tests.support.tiny_model import build_tiny_model
-from worker.loader import choose_dtype
+from worker.model.loader import choose_dtype
 
 BLOCK = 8
 SMALL, LARGE = 40, 64  # blocks of worker-a and worker-b
@@ -216,7 +216,8 @@ def test_memory_fraction_sizes_the_pool_and_the_worker_stays_in_budget_under_loa
         scheduler = s.start_scheduler(registry)
         # Canteen's own forward (the default) in the CPU's dtype: in bfloat16 every new
         # matmul shape once cost oneDNN a cached kernel (~0.6 MiB), 35-100 MB past the budget
-        # under load, until rows were bucketed and the buckets built at load (worker/quant.py).
+        # under load, until rows were bucketed and the buckets built at load
+        # (worker/model/quant.py).
         args = (
             "--dtype",
             "auto",

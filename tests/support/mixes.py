@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
-from worker.runner import ModelRunner
+from worker.engine.runner import ModelRunner
 
 Sampled = list[tuple[int, float]]  # (token id, its logprob) per generated token
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
-from worker.runner import ModelRunner
+from worker.engine.runner import ModelRunner
 
 
 def generate(runner: ModelRunner, prompts: dict[str, list[int]], new: int) -> dict[str, list[int]]:

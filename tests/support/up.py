@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 
 from canteen.tls import Tls, sync_channel
-from canteen.up.state import ChildState, SuiteState, read_state
+from canteen.tools.up.state import ChildState, SuiteState, read_state
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support.suite import free_port
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from tests.support.mixes import Arrival, alone, run_mix
 from tests.support.tiny_model import build_tiny_model
-from worker.loader import choose_dtype, load_model
-from worker.runner import ModelRunner, RunnerConfig
-from worker.speculate import SpeculationConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import choose_dtype, load_model
+from worker.speculation.speculate import SpeculationConfig
 
 BLOCK = 8
 VOCAB = 440  # below the tiny model's vocabulary (455)

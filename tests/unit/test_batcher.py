@@ -78,7 +78,7 @@ class WorkerSeq:
 
 
 class FakeWorker:
-    """Applies plans the way worker/runner.py does and asserts what it enforces."""
+    """Applies plans the way worker/engine/runner.py does and asserts what it enforces."""
 
     def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
         self.num_blocks = num_blocks

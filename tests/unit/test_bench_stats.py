@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from canteen.bench import (
+from canteen.tools.bench import (
     Concurrency,
     DatasetError,
     LevelFigures,
@@ -33,8 +33,8 @@ from canteen.bench import (
     shared_prefix_workload,
     summarize,
 )
-from canteen.bench.clients import _apply_chunk, _Timer
-from canteen.bench.workload import sample_lengths
+from canteen.tools.bench.clients import _apply_chunk, _Timer
+from canteen.tools.bench.workload import sample_lengths
 
 
 def rec(

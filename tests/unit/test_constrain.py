@@ -10,8 +10,8 @@ import torch
 
 from canteen.plan import Constraint, NewSequence, Sampling, ScheduledSequence, StepPlan
 from tests.support import reference
-from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import LoadedModel, load_model
 
 REGEX = Constraint("regex", r"[a-z]{4}( [a-z]{2,6}){6}\.")
 PROMPT = [5, 17, 42, 99, 7]

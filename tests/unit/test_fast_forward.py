@@ -9,9 +9,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.support.runner import generate
-from worker.loader import load_model
-from worker.quant import GROUP_SIZE, Int4Linear, Q4Groups
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import load_model
+from worker.model.quant import GROUP_SIZE, Int4Linear, Q4Groups
 
 BLOCK = 8
 VOCAB = 256
@@ -125,7 +125,7 @@ def test_decode_layers_in_one_op_equal_the_layer_by_layer_path(
     the hidden states before the head are the Layer loop's bit for bit, in decode steps of
     one row and of four (bfloat16 and float32 through skinny_linear, int8 and int4 through
     quant_linear; qwen2's biases, granite's residual multiplier)."""
-    from worker.model import FastModel
+    from worker.model.forward import FastModel
 
     path = _build(tmp_path / model_type, model_type)
     loaded = load_model(
@@ -152,7 +152,7 @@ def test_decode_layers_in_one_op_equal_the_layer_by_layer_path(
 
 
 def test_qk_norms_keep_the_layer_by_layer_path(tmp_path: Path) -> None:
-    from worker.model import FastModel
+    from worker.model.forward import FastModel
 
     path = _build(tmp_path / "qwen3", "qwen3")
     loaded = load_model(str(path), "safetensors", "", torch.device("cpu"), torch.bfloat16, False)

@@ -20,7 +20,7 @@ from gateway.openai_api import parse_request
 from gateway.service import GenerateInput
 from gateway.tokenizers import TemplateError
 from tests.fuzz import fuzz_edge
-from worker.sampler import sample
+from worker.engine.sampler import sample
 
 FUZZ = Path(fuzz_edge.__file__)
 HAS_ATHERIS = importlib.util.find_spec("atheris") is not None

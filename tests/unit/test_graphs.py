@@ -1,4 +1,4 @@
-"""Graphed decode steps (worker/graphs.py): the padded static step a CUDA graph captures,
+"""Graphed decode steps (worker/engine/graphs.py): the padded static step a CUDA graph captures,
 run here without capture, gives the eager forward's tokens and writes no block it was not
 given. The capture itself needs a GPU: bench/device_check.py compares it there."""
 
@@ -12,11 +12,11 @@ import torch
 from tests.support.runner import generate
 from tests.unit.test_fast_forward import PROMPTS, _build, _reference
 from worker import kernels
+from worker.attention.paged import layer_view
 from worker.config import WorkerConfig
-from worker.graphs import GraphSizes
-from worker.loader import load_model
-from worker.paged_attention import layer_view
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.graphs import GraphSizes
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import load_model
 
 BLOCK = 8
 NUM_BLOCKS = 32

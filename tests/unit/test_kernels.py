@@ -12,8 +12,8 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from worker import kernels
-from worker.attention import DecodeGroup
-from worker.paged_attention import _decode
+from worker.attention.interface import DecodeGroup
+from worker.attention.paged import _decode
 
 
 def setup_module() -> None:
@@ -25,7 +25,7 @@ BLOCK = 4
 
 
 def _group(tables: list[list[int]], lens: list[int]) -> DecodeGroup:
-    """A decode group as worker/batch.py builds it: tables padded with block 0."""
+    """A decode group as worker/attention/batch.py builds it: tables padded with block 0."""
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     slots = (block_tables.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).flatten(-2)
@@ -185,7 +185,7 @@ def test_skinny_linear_is_the_bfloat16_matmul(rows: int, n: int, k: int) -> None
     """Any number of rows through Canteen's kernel: float32 sums of bfloat16 products, like
     oneDNN's, so the outputs agree up to the rounding of a differently ordered sum. N not a
     multiple of 16 (nor of the blocks the kernel takes at once) and an odd K included."""
-    from worker.quant import LanesLinear, make_linear, pack_lanes
+    from worker.model.quant import LanesLinear, make_linear, pack_lanes
 
     torch.manual_seed(2)
     weight = (torch.randn(n, k) * 0.1).to(torch.bfloat16)
@@ -208,7 +208,7 @@ def test_each_rows_outputs_are_its_own_whatever_the_batch(dtype: torch.dtype, k:
     """A row's sums do not depend on the rows beside it: a row computed alone gets the same
     bits as among 1..64 other rows, and in a 300-row prefill chunk (oneDNN's differ by
     shape)."""
-    from worker.quant import pack_lanes
+    from worker.model.quant import pack_lanes
 
     g = torch.Generator().manual_seed(k)
     weight = torch.randn(100, k, generator=g).to(dtype)
@@ -236,7 +236,7 @@ def test_float32_skinny_linear_is_the_float32_matmul(rows: int, n: int, k: int) 
     """float32 rows through dense_float.cpp: each output one fused multiply-add per weight,
     along K in order, so within a few float32 roundings of the exact product (computed in
     float64); N past whole blocks and register tiles, odd K, rows past one tile included."""
-    from worker.quant import LanesLinear, make_linear, pack_lanes
+    from worker.model.quant import LanesLinear, make_linear, pack_lanes
 
     torch.manual_seed(rows)
     weight, bias, x = torch.randn(n, k) * 0.1, torch.randn(n), torch.randn(rows, k)
@@ -254,7 +254,7 @@ def test_float32_skinny_linear_is_the_float32_matmul(rows: int, n: int, k: int) 
 
 
 def test_skinny_linear_refuses_what_it_cannot_compute() -> None:
-    from worker.quant import pack_lanes
+    from worker.model.quant import pack_lanes
 
     lanes = pack_lanes(torch.randn(20, 64).bfloat16())
     x = torch.randn(2, 64).bfloat16()
@@ -283,7 +283,7 @@ def test_a_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(
     ``silu_mul(gate_up_proj(h))`` come out of skinny_linear with the bits of the separate
     ops. 80 gate outputs: 64 whose exp torch computes vectorized, 16 on its scalar tail, and
     an odd count of gate blocks (the up half starts mid-task)."""
-    from worker.quant import pack_lanes
+    from worker.model.quant import pack_lanes
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g).to(dtype)
@@ -300,7 +300,7 @@ def test_a_linear_finishes_the_residual_add_and_silu_gate_bit_for_bit(
 
 
 def test_a_fused_finish_refuses_what_it_cannot_compute() -> None:
-    from worker.quant import pack_lanes
+    from worker.model.quant import pack_lanes
 
     x, ops = torch.randn(2, 64).bfloat16(), torch.ops.canteen
     lanes = pack_lanes(torch.randn(48, 64).bfloat16())
@@ -316,11 +316,11 @@ def test_a_fused_finish_refuses_what_it_cannot_compute() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [16, 64])  # 64: whole vectors in each half (bfloat16's own path)
 def test_rotary_and_silu_gate_round_where_torch_rounds(dtype: torch.dtype, dim: int) -> None:
-    """The fused rotary and SiLU gate give worker/model.py's torch ops' values bit for bit:
+    """The fused rotary and SiLU gate give worker/model/forward.py's torch ops' values bit for bit:
     rotary the same products and sum, each rounded to the dtype; the gate torch's own exp
     (SLEEF's where torch's silu runs vectorized, std::exp on the tail of a row), at widths
     with and without a tail."""
-    from worker.model import _rotate
+    from worker.model.forward import _rotate
 
     torch.manual_seed(3)
     tokens, heads, kv_heads = 5, 6, 2
@@ -344,7 +344,7 @@ def test_rotary_kv_writes_what_rotary_and_index_copy_write(dtype: torch.dtype, d
     """decode_layers' one pass over the QKV output: the rotated queries it returns, and the
     rotated keys and the values it writes into the pool, are rotary's and index_copy_'s bit
     for bit; no other slot changes, and a slot past the pool is refused before any write."""
-    from worker.model import _rotate
+    from worker.model.forward import _rotate
 
     torch.manual_seed(5)
     tokens, heads, kv_heads, slots = 3, 6, 2, 40

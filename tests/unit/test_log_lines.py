@@ -20,7 +20,7 @@ for i in range({n}):
 """
 
 _LAUNCHER = """
-from canteen.up.launcher import say
+from canteen.tools.up.launcher import say
 for i in range({n}):
     say(f"canteen: line {{i}} of the launcher " + "y" * 120)
 """

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from worker import kernels
-from worker.quant import (
+from worker.model.quant import (
     GROUP_SIZE,
     Int4Linear,
     Int8Linear,
@@ -206,7 +206,7 @@ CHECK = """
 import sys, torch
 torch.ops.load_library(sys.argv[1])
 from tests.unit.test_lowbit import _reference, _weights
-from worker.quant import pack_groups
+from worker.model.quant import pack_groups
 assert torch.ops.canteen.quant_vectorized() == (sys.argv[2] == "avx2")
 for bits in (4, 8):
     u, d, m = _weights(40, 96, bits, seed=bits)
@@ -214,7 +214,7 @@ for bits in (4, 8):
     got = pack_groups(u, d, m, bits)(x, None).double()
     want = _reference(x, u, d, m)
     assert (got - want).abs().max() <= 2e-5 * want.abs().max(), (bits, got, want)
-from worker.quant import pack_lanes  # and skinny_linear's bfloat16 path on this instruction set
+from worker.model.quant import pack_lanes  # and skinny_linear's bfloat16 path here
 w = (torch.randn(50, 41, generator=torch.Generator().manual_seed(2)) * 0.1).bfloat16()
 xb = torch.randn(5, 41, generator=torch.Generator().manual_seed(3)).bfloat16()
 got = torch.ops.canteen.skinny_linear(xb, pack_lanes(w), 50, None)

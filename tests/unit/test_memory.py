@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.memory import MARGIN_FRACTION, Baseline, MemoryBudgetError, size_pool
+from worker.engine.memory import MARGIN_FRACTION, Baseline, MemoryBudgetError, size_pool
 
 MIB = 2**20
 CPU = Baseline(torch.device("cpu"), offered_bytes=1000 * MIB, held_bytes=200 * MIB)

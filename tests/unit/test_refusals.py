@@ -20,8 +20,8 @@ from canteen.plan import (
 from scheduler.sequence import Status
 from tests.support import reference
 from tests.unit.test_batcher import FakeWorker, make_scheduler, make_seq
-from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner, RunnerConfig
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import LoadedModel, load_model
 
 BLOCK = 8
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from tests.support import reference
-from worker.batch import group_decodes
-from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner, RunnerConfig
+from worker.attention.batch import group_decodes
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import LoadedModel, load_model
 
 BLOCK = 8
 

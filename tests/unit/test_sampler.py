@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from canteen.plan import Sampling
-from worker.sampler import sample
+from worker.engine.sampler import sample
 
 VOCAB = 10
 GREEDY = Sampling(temperature=0.0)

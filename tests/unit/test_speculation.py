@@ -35,7 +35,7 @@ K = 4
 
 
 class DraftingWorker(FakeWorker):
-    """Verifies drafts the way worker/runner.py does: of ``k`` granted, the first
+    """Verifies drafts the way worker/engine/runner.py does: of ``k`` granted, the first
     ``hits()`` are right, so the step makes hits + 1 tokens."""
 
     def __init__(

@@ -11,10 +11,10 @@ import torch
 
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan, StepResult
 from tests.support import reference
-from worker.draft import can_share_kv
-from worker.loader import LoadedModel, load_model
-from worker.runner import ModelRunner, RunnerConfig
-from worker.speculate import SpeculationConfig, accept, propose_ngram
+from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.model.loader import LoadedModel, load_model
+from worker.speculation.draft import can_share_kv
+from worker.speculation.speculate import SpeculationConfig, accept, propose_ngram
 
 K = 4
 

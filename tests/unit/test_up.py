@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from canteen.up.layout import SuiteLayout, plan_children
-from canteen.up.policy import ExitLog, RestartPolicy, describe_exit
-from canteen.up.state import ChildState, SuiteState, is_running, read_state
+from canteen.tools.up.layout import SuiteLayout, plan_children
+from canteen.tools.up.policy import ExitLog, RestartPolicy, describe_exit
+from canteen.tools.up.state import ChildState, SuiteState, is_running, read_state
 
 
 def test_backoff_doubles_up_to_the_cap_and_starts_over_after_a_healthy_minute() -> None:

@@ -3,8 +3,8 @@ lowbit.cpp, stack.cpp, sampling.cpp), built with the machine's own compiler and 
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
 ``skinny_linear``, ``quant_linear``, ``decode_layers``, ``greedy_pick``) replace many small ops
-of a decode step (worker/paged_attention.py, worker/model.py, worker/quant.py,
-worker/sampler.py). The library is compiled once
+of a decode step (worker/attention/paged.py, worker/model/forward.py, worker/model/quant.py,
+worker/engine/sampler.py). The library is compiled once
 per source, flags, torch version and CPU (``-march=native``: a build for one machine's vector
 units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's
 ``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``), and

@@ -63,7 +63,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
 }
 
 // Rotary on the first `heads` heads of x [T, >= heads, D] (a view into the QKV output), as
-// worker/model.py's _rotate: x * cos + swap_halves(x) * signed_sin, each op rounded like
+// worker/model/forward.py's _rotate: x * cos + swap_halves(x) * signed_sin, each op rounded like
 // torch's; returns [T, heads, D].
 // One head of rotary: o = x * cos + rotate_half(x) * sin, each product and the sum rounded to
 // T as transformers' apply_rotary_pos_emb rounds them (sin carries rotate_half's signs).

@@ -5,7 +5,7 @@
 // read from memory once for all rows. float32 inputs go to dense_float.cpp's kernel, with a
 // layout of their own.
 //
-// Layout (worker/quant.py, pack_lanes): output rows in blocks of 16, one 32-bit lane per row
+// Layout (worker/model/quant.py, pack_lanes): output rows in blocks of 16, one 32-bit lane per row
 // holding a pair of adjacent weights, so one AVX512-BF16 dot product (vdpbf16ps) adds the
 // products of a pair of x's columns to 16 outputs at once, and no horizontal sum is left:
 //   lanes [ceil(N / 16), ceil(K / 2), 16, 2] bfloat16, lanes[b, p, l] = (w[16b + l, 2p],
@@ -41,7 +41,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int kMaxRows = 12;  // rows of x a call takes (worker/quant.py, SKINNY_ROWS)
+constexpr int kMaxRows = 12;  // rows of x a call takes (worker/model/quant.py, SKINNY_ROWS)
 using Finish = canteen::Finish<at::BFloat16>;
 
 // x's rows as pairs of bfloat16 (32 bits each), zero-padded to ``pairs``: what one lane meets.

@@ -3,7 +3,7 @@
 //
 // oneDNN's float32 matmul reads SmolLM2's weights at about half the machine's read speed at
 // one row and reaches a third of its own GEMM speed at 16 (AMD EPYC, AVX2; README, Speed).
-// Layout (worker/quant.py, pack_lanes): output rows in blocks of 16, one float per lane:
+// Layout (worker/model/quant.py, pack_lanes): output rows in blocks of 16, one float per lane:
 //   lanes [ceil(N / 16), K, 16, 1] float32, lanes[b, k, l] = w[16b + l, k], zero past N.
 // So one vector (two on AVX2) of a block's weights meets one broadcast x[r, k] in one fused
 // multiply-add, and each output's sum runs along K in order, k = 0, 1, ..., with one

@@ -14,7 +14,7 @@
 // the same bits as in a call of its own (its activations are quantized alone, its sums run in
 // the same order): batched equals alone.
 //
-// Layout (worker/quant.py, pack_groups): output rows in blocks of 16, one 32-bit lane per row,
+// Layout (worker/model/quant.py, pack_groups): output rows in blocks of 16, one 32-bit lane per row,
 // so no horizontal sums. Per block and group, chunks of 16 lanes x 4 bytes: at 8 bits chunk c
 // holds each row's weights 4c..4c+3 of the group (8 chunks); at 4 bits chunk c holds 4c..4c+3
 // in its low nibbles and 4c+16..4c+19 in its high ones (4 chunks). scales [blocks, groups, 2,

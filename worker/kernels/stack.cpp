@@ -1,6 +1,6 @@
 // canteen::decode_layers: every decoder layer of a decode step of a few rows, in one op.
 //
-// worker/model.py's Layer runs about fifteen ops per layer; for the one row of a single
+// worker/model/forward.py's Layer runs about fifteen ops per layer; for the one row of a single
 // stream (or a draft model's forwards) each op's Python and dispatch cost, times thirty
 // layers, is a third of the step. It takes every step the kernels can compute: decode rows,
 // verified drafts and prefill chunks alike. This op runs the same ops, in the same order, on the same
@@ -8,7 +8,7 @@
 // silu_mul; torch's arithmetic), so its outputs are the Python path's bit for bit;
 // only the Python between them is gone, and the residual adds and the SiLU gate finish
 // inside the linears before them (the same bits, a pass and an op fewer each).
-// worker/model.py decides when it applies (CPU kernels, a llama-like layer without q/k norms,
+// worker/model/forward.py decides when it applies (CPU kernels, a llama-like layer without q/k norms,
 // linears with a kernel of Canteen's) and keeps the Python path otherwise.
 //
 // Per layer, ``weights`` holds 14 tensors: the two norms' weights, then for the qkv, o,

@@ -1,0 +1,1 @@
+"""Attention over the paged KV pool: the step's batch layout and the attention paths."""

@@ -1,0 +1,1 @@
+"""The step: the runner, sampling, constraints, guards, memory budget and CUDA graphs."""

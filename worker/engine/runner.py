@@ -1,0 +1,352 @@
+"""Applies step plans to per-sequence state and runs one forward pass per step.
+
+The runner owns the paged KV pool and every sequence's tokens and block table; it writes KV
+only into the blocks the scheduler named. It is not thread-safe: one thread runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from canteen.plan import (
+    FailedSequence,
+    NewSequence,
+    SampledToken,
+    Sampling,
+    ScheduledSequence,
+    StepPlan,
+    StepResult,
+)
+from worker.attention.batch import BatchBuilder, Row, new_kv_pool
+from worker.attention.interface import PagedBatch
+from worker.engine.constrain import Constraints, load_tokenizer
+from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
+from worker.engine.guard import BlockLedger, EntryError
+from worker.engine.sampler import sample
+from worker.model.loader import LoadedModel
+from worker.speculation.draft import DraftModel, DraftRequest, can_share_kv
+from worker.speculation.speculate import SpeculationConfig, accept, propose_ngram
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    tokens: list[int]
+    sampling: Sampling
+    block_ids: list[int]
+    num_computed: int
+    keys: list[bytes]  # chained content keys of its full computed blocks (worker/engine/guard.py)
+    drafts: list[int] = field(default_factory=list)  # this step's draft tokens, if any
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    element = torch.tensor([], dtype=loaded.dtype).element_size()
+    return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * element
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """The shape of one runner: its KV pool, its step budget and how it decodes."""
+
+    num_blocks: int
+    block_size: int
+    max_batched_tokens: int
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    draft_shares_kv: bool = False
+    """The draft model reads and writes the target's KV pool (only with its KV layout)."""
+    graphs: GraphSizes | None = DEFAULT_GRAPHS
+    """Which decode steps replay CUDA graphs (worker/engine/graphs.py); used on CUDA with Canteen's
+    forward, or anywhere with ``eager=True``; None: none."""
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, config: RunnerConfig, draft: LoadedModel | None = None
+    ) -> None:
+        """``draft``: the model that proposes tokens with ``--speculative draft``."""
+        self.loaded = loaded
+        self.config = config
+        self.speculation = config.speculation
+        num_blocks, block_size = config.num_blocks, config.block_size
+        max_batched_tokens, graphs = config.max_batched_tokens, config.graphs
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_batched_tokens = max_batched_tokens
+        graphed = graphs is not None and (
+            graphs.eager or (loaded.device.type == "cuda" and loaded.forward_name == "fast")
+        )
+        # a graphed step's padding rows write into one scratch block past the scheduler's
+        self.kv_pool = new_kv_pool(loaded, num_blocks + int(graphed), block_size)
+        self.sequences: dict[str, SequenceState] = {}
+        self.vocab_size = int(loaded.model.config.vocab_size)
+        self.max_model_len = loaded.max_model_len
+        self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
+        self.constraints = Constraints(
+            lambda: load_tokenizer(loaded.path, loaded.fmt), self.vocab_size, loaded.eos_token_ids
+        )
+        # A decode group gathers at most what the warm-up's decode did (one sequence after a
+        # max_batched_tokens prefill), so the warm-up's peak bounds every later step's memory.
+        self.max_group_blocks = min(num_blocks, self.blocks_for(max_batched_tokens + 1))
+        self.builder = BatchBuilder(
+            self.kv_pool, block_size, max_batched_tokens, self.max_group_blocks, loaded.dtype
+        )
+        if (draft is not None) != (self.speculation.kind == "draft"):
+            raise ValueError("a draft model goes with --speculative draft, and only with it")
+        if config.draft_shares_kv and (draft is None or not can_share_kv(loaded, draft, True)):
+            raise ValueError("only a draft with the target's KV layout can share its pool")
+        self.draft = (
+            DraftModel(
+                draft,
+                num_blocks,
+                block_size,
+                max_batched_tokens,
+                self.max_group_blocks,
+                shared_pool=self.kv_pool if config.draft_shares_kv else None,
+            )
+            if draft is not None
+            else None
+        )
+        self.graphs = (
+            DecodeGraphs(loaded.forward, self.kv_pool, num_blocks, self.max_model_len, graphs)
+            if graphed and graphs is not None
+            else None
+        )
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def step(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter_ns()
+        plan, failed = self._apply(plan)
+        if not plan.scheduled:
+            return StepResult(
+                step_id=plan.step_id,
+                failed=tuple(failed),
+                total_ns=time.perf_counter_ns() - started,
+            )
+        forward_start = time.perf_counter_ns()
+        logits, sample_rows = self._forward(plan)
+        sample_start = time.perf_counter_ns()
+        proposed = {
+            s.seq_id: len(self.sequences[s.seq_id].drafts)
+            for s in plan.scheduled
+            if s.num_draft_tokens
+        }
+        num_drafts = sum(proposed.values())
+        tokens = self._sample_and_advance(plan, logits, sample_rows)
+        done = time.perf_counter_ns()
+        return StepResult(
+            step_id=plan.step_id,
+            tokens=tuple(tokens),
+            failed=tuple(failed),
+            num_tokens=plan.num_tokens + num_drafts,
+            num_draft_tokens=num_drafts,
+            num_accepted_tokens=len(tokens) - len({t.seq_id for t in tokens}),
+            num_proposed=proposed,
+            forward_ns=sample_start - forward_start,
+            sample_ns=done - sample_start,
+            total_ns=done - started,
+        )
+
+    def reset(self) -> None:
+        """Forgets every sequence (a new Run stream owns the worker from here on)."""
+        self.sequences.clear()
+        self.ledger.release_all()
+        self.constraints.clear()
+        if self.draft is not None:
+            self.draft.reset()
+
+    def _apply(self, plan: StepPlan) -> tuple[StepPlan, list[FailedSequence]]:
+        """Applies drops and new sequences; returns the entries that can run this step and
+        the sequences refused (each dropped here, failing alone)."""
+        failed: dict[str, str] = {}
+        for seq_id in plan.dropped_seq_ids:
+            self._drop(seq_id)
+        for new in plan.new_sequences:
+            try:
+                self._add(new)
+            except EntryError as exc:
+                failed[new.seq_id] = str(exc)
+        runnable = []
+        for item in plan.scheduled:
+            if item.seq_id in failed:
+                continue
+            try:
+                self._schedule(item)
+            except EntryError as exc:
+                failed[item.seq_id] = str(exc)
+                self._drop(item.seq_id)
+                continue
+            runnable.append(item)
+        ok = dataclasses.replace(plan, new_sequences=(), scheduled=tuple(runnable))
+        return ok, [FailedSequence(seq_id, error) for seq_id, error in failed.items()]
+
+    def _drop(self, seq_id: str) -> None:
+        seq = self.sequences.pop(seq_id, None)
+        if seq is not None:
+            self.ledger.release(seq.block_ids)
+            self.constraints.drop(seq_id)
+            if self.draft is not None:
+                self.draft.drop(seq_id)
+
+    def _add(self, new: NewSequence) -> None:
+        if new.seq_id in self.sequences:
+            self._drop(new.seq_id)  # ids are unique: whatever this is, it runs no further
+            raise EntryError(new.seq_id, "sent twice")
+        if len(new.token_ids) > self.max_model_len:
+            raise EntryError(
+                new.seq_id,
+                f"{len(new.token_ids)} tokens exceed the context of {self.max_model_len}",
+            )
+        keys = self.ledger.check_new(new)
+        if new.sampling.constraint is not None:
+            # tokens past the prompt were generated before a resume: the grammar saw them
+            generated = new.token_ids[new.num_prompt_tokens :] if new.num_prompt_tokens else ()
+            self.constraints.add(new.seq_id, new.sampling.constraint, generated)
+        self.ledger.hold(new.block_ids)
+        self.sequences[new.seq_id] = SequenceState(
+            new.seq_id,
+            list(new.token_ids),
+            new.sampling,
+            list(new.block_ids),
+            new.num_cached_tokens,
+            keys,
+        )
+
+    def _schedule(self, item: ScheduledSequence) -> None:
+        seq = self.sequences.get(item.seq_id)
+        if seq is None:
+            raise EntryError(item.seq_id, "is not known to this worker")
+        self.ledger.check_more(seq.seq_id, seq.block_ids, item.new_block_ids)
+        self.ledger.hold(item.new_block_ids)
+        seq.block_ids.extend(item.new_block_ids)
+        end = seq.num_computed + item.num_tokens
+        if item.num_tokens <= 0 or end > len(seq.tokens):
+            raise EntryError(
+                seq.seq_id,
+                f"cannot compute {item.num_tokens} tokens after "
+                f"{seq.num_computed} of {len(seq.tokens)}",
+            )
+        if end > len(seq.block_ids) * self.block_size:
+            raise EntryError(
+                seq.seq_id,
+                f"{end} tokens need more than its {len(seq.block_ids)} blocks of {self.block_size}",
+            )
+        self.ledger.will_write(seq.block_ids, seq.num_computed, end)
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int]]:
+        """The step's logits and the flat rows they came from: a captured graph's where the
+        step is plain decode that fits one, else the eager forward."""
+        graphed = self._graph_rows(plan)
+        with torch.inference_mode():
+            if graphed is not None and self.graphs is not None:
+                return self.graphs.run(graphed), list(range(len(graphed)))
+            batch, input_ids, positions, sample_rows = self._build(plan)
+            keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
+            return self.loaded.forward(input_ids, positions, batch, keep), sample_rows
+
+    def _graph_rows(self, plan: StepPlan) -> list[DecodeRow] | None:
+        """The step as graph rows: every sequence decodes its one last token, drafts none."""
+        if self.graphs is None or not self.graphs.fits(len(plan.scheduled), 0):
+            return None
+        rows, bs = [], self.block_size
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            position = seq.num_computed
+            if item.num_tokens != 1 or position + 1 != len(seq.tokens) or self._draft_limit(item):
+                return None
+            slot = seq.block_ids[position // bs] * bs + position % bs
+            blocks = seq.block_ids[: position // bs + 1]
+            rows.append(DecodeRow(seq.tokens[position], position, slot, blocks))
+        longest = max(r.position + 1 for r in rows)
+        return rows if self.graphs.fits(len(rows), longest) else None
+
+    def _build(self, plan: StepPlan) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, list[int]]:
+        rows = []
+        proposals = self._propose(plan)
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            start, end = seq.num_computed, seq.num_computed + item.num_tokens
+            seq.drafts = proposals.get(seq.seq_id, [])
+            if seq.drafts:
+                self.ledger.will_write(seq.block_ids, end, end + len(seq.drafts))
+            samples = end == len(seq.tokens)  # its last token, and then each draft
+            tokens = seq.tokens[start:end] + seq.drafts
+            rows.append(Row(tokens, start, seq.block_ids, 1 + len(seq.drafts) if samples else 0))
+        return self.builder.build(rows)
+
+    def _propose(self, plan: StepPlan) -> dict[str, list[int]]:
+        """Draft tokens per sequence, by prompt lookup or from the draft model."""
+        spec = self.speculation
+        if not spec.is_on:
+            return {}
+        wanted = [(self.sequences[i.seq_id], self._draft_limit(i)) for i in plan.scheduled]
+        wanted = [(seq, k) for seq, k in wanted if k > 0]
+        if self.draft is not None:
+            requests = [
+                DraftRequest(s.seq_id, s.tokens, s.block_ids, k, s.num_computed) for s, k in wanted
+            ]
+            return self.draft.propose(requests)
+        return {
+            seq.seq_id: propose_ngram(seq.tokens, k, spec.max_ngram, spec.min_ngram)
+            for seq, k in wanted
+        }
+
+    def _draft_limit(self, item: ScheduledSequence) -> int:
+        """Drafts ``item`` may verify: only where the scheduler granted them, the sequence
+        samples this step, is unconstrained, and its blocks have room."""
+        seq = self.sequences[item.seq_id]
+        end = seq.num_computed + item.num_tokens
+        if not item.num_draft_tokens or end != len(seq.tokens):
+            return 0
+        if seq.sampling.constraint is not None:
+            return 0  # each draft would need the grammar's state after the one before
+        room = len(seq.block_ids) * self.block_size - end
+        spec = self.speculation
+        return max(
+            min(item.num_draft_tokens, spec.num_tokens, room, self.max_model_len - end - 1), 0
+        )
+
+    def _sample_and_advance(
+        self, plan: StepPlan, logits: torch.Tensor, sample_rows: list[int]
+    ) -> list[SampledToken]:
+        sampling_seqs: list[SequenceState] = []
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            seq.num_computed += item.num_tokens
+            self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed)
+            if seq.num_computed == len(seq.tokens):
+                sampling_seqs.append(seq)
+        if not sampling_seqs:
+            return []
+        # one row per sampled position: a sequence's last token, then each of its drafts
+        per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
+        rows = logits[: len(per_row)]  # the sampler ranks bfloat16 logits in float32
+        seq_ids = [s.seq_id for s, _ in per_row]
+        if self.constraints.has_any(seq_ids):
+            rows = rows.float()  # masked in place: a copy in bfloat16, the same tensor in float32
+            with torch.inference_mode():  # the logits are inference tensors
+                self.constraints.mask(rows, seq_ids)
+        token_ids, logprobs, tops = sample(
+            rows, [s.sampling for s, _ in per_row], [len(s.tokens) + i for s, i in per_row]
+        )
+        out = []
+        row = 0
+        for seq in sampling_seqs:
+            n = 1 + len(seq.drafts)
+            kept = accept(seq.drafts, token_ids[row : row + n])
+            if self.draft is not None and seq.drafts:
+                self.draft.verified(seq.seq_id, len(seq.tokens), len(kept))
+            for i, token in enumerate(kept):
+                seq.tokens.append(token)
+                self.constraints.advance(seq.seq_id, token)
+                out.append(SampledToken(seq.seq_id, token, logprobs[row + i], tops[row + i]))
+            if len(kept) > 1:  # the accepted drafts' KV was computed with the right tokens
+                seq.num_computed += len(kept) - 1
+                self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed)
+            seq.drafts = []
+            row += n
+        return out

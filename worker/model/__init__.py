@@ -1,0 +1,2 @@
+"""The model and its number formats: loading, Canteen's forward, linear layers, low-bit
+weights."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: drafts proposed by n-gram lookup or a draft model."""
