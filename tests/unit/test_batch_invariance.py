@@ -7,6 +7,7 @@ reduction order shows up there long before it flips a greedy token."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,41 @@ def test_every_sequence_gets_what_it_gets_alone(
     model_dir: Path, dtype: str, quantization: str, mix: list[Arrival]
 ) -> None:
     runner = _runner(model_dir, dtype, quantization)
+    together = run_mix(runner, mix)
+    for arrival in mix:
+        assert together[arrival.seq_id] == alone(runner, arrival), arrival
+
+
+def _wide_mix(seed: int) -> list[Arrival]:
+    """64 sequences at once, every kind of arrival: a batch of the widest width asked for,
+    whatever widths the random mixes above happened to draw."""
+    rng = random.Random(seed)
+    out: list[Arrival] = []
+    for i in range(64):
+        prompt = tuple(rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 60)))
+        donor = out[i - 1] if i and i % 5 == 0 and len(out[i - 1].prompt) >= BLOCK else None
+        cached = BLOCK if donor else 0
+        out.append(
+            Arrival(
+                f"w{i}",
+                (donor.prompt[:cached] if donor else ()) + prompt,
+                new=rng.randrange(1, 12),
+                chunk=rng.choice([1, 3, 8, 16, 64, 1024]),
+                at_step=rng.randrange(0, 4),
+                cached_from=donor.seq_id if donor else None,
+                num_cached=cached,
+                preempt_after=rng.choice([0, 0, 2]),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), FORMATS)
+def test_sixty_four_sequences_at_once_get_what_they_get_alone(
+    model_dir: Path, dtype: str, quantization: str
+) -> None:
+    runner = _runner(model_dir, dtype, quantization)
+    mix = _wide_mix(7)
     together = run_mix(runner, mix)
     for arrival in mix:
         assert together[arrival.seq_id] == alone(runner, arrival), arrival

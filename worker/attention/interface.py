@@ -63,6 +63,9 @@ class PagedBatch:
     max_scores: int
     decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # the step's queries as Canteen's attention kernel takes them, built once per step
+    # (worker/attention/paged.py, kernel_groups) for every layer
+    kernel: list[tuple[torch.Tensor, ...]] | None = field(default=None, repr=False)
 
 
 def paged_attention(

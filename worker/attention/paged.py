@@ -65,18 +65,20 @@ def paged_attention(
     return out
 
 
-def kernel_groups(
-    batch: PagedBatch,
-) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+def kernel_groups(batch: PagedBatch) -> list[tuple[torch.Tensor, ...]]:
     """The step's queries as paged_decode_into takes them: (slots [S, W], lens [B], rows [B],
     tables [B], or empty where row b reads table b), one entry per decode group and per
-    prefill chunk."""
-    none = torch.empty(0, dtype=torch.long)
-    groups = [(g.slots.view(g.lens.shape[0], -1), g.lens, g.index, none) for g in batch.decodes]
-    for span in batch.prefills:
-        table = span.slots.view(1, -1)
-        groups.append((table, span.lens, span.rows, torch.zeros_like(span.rows)))
-    return groups
+    prefill chunk; built on the first layer's call and kept on the batch for the others."""
+    if batch.kernel is None:
+        none = torch.empty(0, dtype=torch.long)
+        groups: list[tuple[torch.Tensor, ...]] = [
+            (g.slots.view(g.lens.shape[0], -1), g.lens, g.index, none) for g in batch.decodes
+        ]
+        for span in batch.prefills:
+            table = span.slots.view(1, -1)
+            groups.append((table, span.lens, span.rows, torch.zeros_like(span.rows)))
+        batch.kernel = groups
+    return batch.kernel
 
 
 def _decode(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:
