@@ -429,9 +429,9 @@ def test_compose_commands_serve_outside_containers(
     client = Tls.from_folder(tmp_path / "volumes" / "certs" / "client", "client")
     registry = f"127.0.0.1:{rewrite.ports[('registry', 50053)]}"
     with sync_channel(registry, client, "registry") as channel:
-        stub = registry_pb2_grpc.RegistryStub(channel)
+        registry_stub = registry_pb2_grpc.RegistryStub(channel)
         with pytest.raises(grpc.RpcError) as refused_write:
-            stub.DeleteModel(
+            registry_stub.DeleteModel(
                 registry_pb2.DeleteModelRequest(name="tiny", version="v1"),
                 timeout=10,
                 metadata=(("authorization", f"Bearer {admin_key}"),),
