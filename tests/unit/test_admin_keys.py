@@ -47,3 +47,24 @@ def test_a_bad_scope_names_the_file_line_and_rule(tmp_path: Path, line: str, mes
 def test_one_key_with_two_scopes_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="listed with both scope=read and write"):
         _keys(tmp_path, "k scope=read\nk scope=write\n")
+
+
+def test_the_gateway_names_the_write_keys_it_is_given(tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    from canteen.config import parse_config
+    from gateway.__main__ import load_admin_keys
+    from gateway.config import GatewayConfig
+
+    path = tmp_path / "status-keys"
+    path.write_text("status-key scope=read\n")
+    config = parse_config(GatewayConfig, ["--admin-keys-file", str(path)], env={})
+    with capture_logs() as logs:
+        keys = load_admin_keys(config)
+    assert keys.check("Bearer status-key") is None
+    assert logs == []
+    path.write_text("status-key scope=read\nops-key\n")  # no scope=: a write key
+    with capture_logs() as logs:
+        load_admin_keys(config)
+    assert [(e["log_level"], e["key_ids"]) for e in logs] == [("warning", [key_id("ops-key")])]
+    assert logs[0]["event"].startswith("the gateway holds admin keys of scope=write")
