@@ -268,6 +268,9 @@ def test_k8s_services_take_certificates_and_keys_from_secrets() -> None:
         if "secret" in v
     }
     assert "canteen-admin-keys" not in secrets and "canteen-status-keys" in secrets
+    # Every API key has limits by default.
+    assert flag_value(gateway["args"], "--rate-limit-rpm") == "60"
+    assert flag_value(gateway["args"], "--rate-limit-tpm") == "60000"
     registry = next(c for _, c in containers() if c["args"][0] == "registry")
     roots = (flag_value(registry["args"], "--model-root") or "").split(",")
     assert roots == ["/models", dockerfile_arg("DEFAULT_MODEL_ROOT")]
