@@ -1,4 +1,9 @@
-"""The ``canteen`` command: run the suite on a laptop, talk to it, manage models."""
+"""The ``canteen`` command: run the suite on a laptop, talk to it, manage models.
+
+``generate`` and ``models`` never fall back to plaintext: they talk TLS when given (or, for
+the registry, when they find ``canteen up``'s) certificates, plaintext only with
+``--insecure``, which they say on stderr, and otherwise refuse with exit status 2.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,15 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 import grpc
 
 from canteen import certs
 from canteen.finish import finish_from_pb
-from canteen.local import add_client_flags, admin_metadata, client_tls
+from canteen.local import add_client_flags, admin_metadata, certs_dir, client_tls
 from canteen.models import MAX_ALIAS_WEIGHT
-from canteen.tls import aio_channel
+from canteen.tls import Tls, aio_channel
 from canteen.tools.bench import cli as bench_cli
 from canteen.tools.chaos import cli as chaos_cli
 from canteen.tools.up import cli as up_cli
@@ -28,6 +34,56 @@ from canteen.v1 import (
 def _finish_name(value: int) -> str:
     finish = finish_from_pb(value)
     return finish.value if finish is not None else str(value)
+
+
+class PlaintextRefusedError(Exception):
+    """No TLS settings and no ``--insecure``: the CLI will not guess plaintext (exit 2)."""
+
+
+def _warn_insecure(what: str, address: str, secrets: str) -> None:
+    print(
+        f"warning: --insecure: plaintext to the {what} at {address}; {secrets} travel in clear",
+        file=sys.stderr,
+    )
+
+
+def gateway_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    """TLS to the gateway's public port (``--ca`` or ``--tls``), or plaintext with
+    ``--insecure``; PlaintextRefusedError with none of them."""
+    if args.insecure:
+        _warn_insecure("gateway", args.address, "the prompt, the answer and the API key")
+        return grpc.aio.insecure_channel(args.address)
+    if not args.ca and not args.tls:
+        raise PlaintextRefusedError(
+            f"no TLS settings for the gateway at {args.address}: pass --ca FILE (the CA of "
+            "its public certificate; CANTEEN_GATEWAY_CA), --tls (a certificate from a CA "
+            "this system trusts), or --insecure for plaintext"
+        )
+    try:
+        roots = Path(args.ca).read_bytes() if args.ca else None
+    except OSError as exc:
+        raise PlaintextRefusedError(f"--ca {args.ca}: {exc.strerror}") from None
+    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
+    credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc.aio.secure_channel(args.address, credentials, options)
+
+
+def registry_tls(args: argparse.Namespace) -> Tls | None:
+    """The client certificate for the registry; None (plaintext) only with ``--insecure``."""
+    if args.insecure:
+        _warn_insecure("registry", args.registry, "the admin key and the model records")
+        return None
+    try:
+        tls = client_tls(args)
+    except (ValueError, OSError) as exc:
+        raise PlaintextRefusedError(str(exc)) from None
+    if tls is None:
+        raise PlaintextRefusedError(
+            f"no client certificate for the registry at {args.registry}: pass --tls-cert, "
+            f"--tls-key and --tls-ca (CANTEEN_TLS_*), or run `canteen up`, whose certificates "
+            f"are read from {certs_dir()}, or pass --insecure for plaintext"
+        )
+    return tls
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -45,7 +101,7 @@ async def _generate(args: argparse.Namespace) -> int:
     request.stop.extend(args.stop or [])
     api_key = args.api_key or os.environ.get("CANTEEN_API_KEY", "")
     metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-    async with grpc.aio.insecure_channel(args.address) as channel:
+    async with gateway_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         try:
             async for msg in stub.Generate(request, metadata=metadata, timeout=args.timeout):
@@ -122,7 +178,7 @@ async def _alias(stub: registry_pb2_grpc.RegistryStub, args: argparse.Namespace)
 
 
 async def _models(args: argparse.Namespace) -> int:
-    async with aio_channel(args.registry, client_tls(args), "registry") as channel:
+    async with aio_channel(args.registry, registry_tls(args), "registry") as channel:
         stub = registry_pb2_grpc.RegistryStub(channel)
         try:
             if args.models_command == "add":
@@ -200,6 +256,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=os.environ.get("CANTEEN_GATEWAY", "127.0.0.1:50051"))
     gen.add_argument("--api-key", default="")
     gen.add_argument("--timeout", type=float, default=None)
+    transport = gen.add_mutually_exclusive_group()
+    transport.add_argument(
+        "--ca",
+        default=os.environ.get("CANTEEN_GATEWAY_CA", ""),
+        help="TLS: the CA (PEM) of the gateway's public certificate",
+    )
+    transport.add_argument("--tls", action="store_true", help="TLS with the CAs this system trusts")
+    transport.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext: the prompt, the answer and the API key travel in clear",
+    )
+    gen.add_argument(
+        "--server-name", default="", help="the name the gateway's certificate must carry"
+    )
 
     cert_parser = sub.add_parser(
         "certs", help="make a throwaway CA and per-role certificates", add_help=False
@@ -219,13 +290,16 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == up_cli.COMMAND:
         sys.exit(up_cli.run(args))
-    if args.command == "generate":
-        sys.exit(asyncio.run(_generate(args)))
     if args.command in bench_cli.COMMANDS:
         sys.exit(bench_cli.run(args))
     if args.command == chaos_cli.COMMAND:
         sys.exit(chaos_cli.run(args))
-    sys.exit(asyncio.run(_models(args)))
+    try:
+        run = _generate if args.command == "generate" else _models
+        sys.exit(asyncio.run(run(args)))
+    except PlaintextRefusedError as exc:
+        print(f"canteen {args.command}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 """Where model weights live and how their checksum and context length are read.
 
-Torch-free: the registry uses it to describe a model and the worker to verify one.
+A model's files are every file a worker or gateway reads for it: the weights, and beside
+them the config, tokenizer and chat template files transformers opens. The recorded sha256
+covers all of them, and the registry refuses a model with any file that resolves (symlinks
+followed) outside its ``--model-root``. Torch-free: the registry uses it to describe a model
+and the worker to verify one.
 """
 
 from __future__ import annotations
@@ -8,12 +12,28 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_VERSION = "q4_1"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin")
+# What transformers reads beside the weights: config, tokenizer, chat template.
+METADATA_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # The largest weight one alias target may carry (the CLI and the registry both check it).
 MAX_ALIAS_WEIGHT = 10_000
 
@@ -40,10 +60,34 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def model_files(path: Path) -> list[Path]:
+    """Every file read for the model at ``path``, in a stable order: for a directory its
+    weights and the METADATA_FILES it holds; for a single file (GGUF) that file."""
+    if path.is_file():
+        return [path]
+    extra = [path / name for name in METADATA_FILES if (path / name).is_file()]
+    return sorted([*weight_files(path), *extra], key=lambda p: p.name)
+
+
+def check_under_roots(path: Path, roots: Sequence[Path]) -> None:
+    """ValueError naming the file, where it resolves and the rule, when any model file
+    resolves outside every one of ``roots`` (already resolved)."""
+    for file in model_files(path):
+        real = file.resolve()
+        if not any(real.is_relative_to(root) for root in roots):
+            names = ", ".join(str(r) for r in roots)
+            raise ValueError(
+                f"model file {file} resolves to {real}, outside the model roots ({names}; "
+                "--model-root): every model file (weights, config, tokenizer, chat template) "
+                "must lie under one"
+            )
+
+
 def weights_sha256(path: Path) -> str:
-    """sha256 over the bytes of every weight file (names included, for directories)."""
+    """sha256 over the bytes of every model file (names included, for directories): weights,
+    config, tokenizer and chat template, so a changed tokenizer is a changed model."""
     digest = hashlib.sha256()
-    for file in weight_files(path):
+    for file in model_files(path):
         if path.is_dir():
             digest.update(file.name.encode() + b"\0")
         with file.open("rb") as stream:

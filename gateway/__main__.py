@@ -12,6 +12,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from canteen.admin_keys import WRITE, AdminKeys
 from canteen.auth import ApiKeys
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
@@ -105,6 +106,19 @@ async def follow_scheduler(
     )
 
 
+def load_admin_keys(config: GatewayConfig) -> ApiKeys:
+    """The keys of /status and /metrics. The gateway faces the internet, so it should hold
+    only scope=read keys; it says which of its keys could also write to the registry."""
+    admin = AdminKeys.load(config.admin_keys_file, config.admin_keys)
+    if write_ids := admin.key_ids(WRITE):
+        log.warning(
+            "the gateway holds admin keys of scope=write (a line without scope= is a write "
+            "key); give it scope=read keys only: /status and /metrics need no more",
+            key_ids=write_ids,
+        )
+    return admin.keys
+
+
 async def serve(config: GatewayConfig, tls: Tls | None) -> None:
     keys = ApiKeys.load(config.api_keys_file, config.api_keys)
     host = bind_host(config, keys)
@@ -131,7 +145,7 @@ async def serve(config: GatewayConfig, tls: Tls | None) -> None:
         InferenceServicer(service, keys), runtime.server
     )
     await runtime.start([SERVICE_NAME])
-    admin_keys = ApiKeys.load(config.admin_keys_file, config.admin_keys)
+    admin_keys = load_admin_keys(config)
     edge = HttpEdge(
         service, keys, config.max_body_bytes, metrics_registry, admin_keys, config.suite_state
     )

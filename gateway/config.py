@@ -25,9 +25,11 @@ class GatewayConfig(InternalLinkOptions):
     api_keys_file: str = option("", "file with one API key per line")
     api_keys: str = option("", "comma-separated API keys")
     admin_keys_file: str = option(
-        "", "admin keys (same format): with API keys on, /status and /metrics need one"
+        "",
+        "admin keys, one a line as 'KEY scope=read': with API keys on, /status and /metrics "
+        "need one (give the gateway no scope=write key)",
     )
-    admin_keys: str = option("", "comma-separated admin keys")
+    admin_keys: str = option("", "comma-separated admin keys (scope write: prefer the file)")
     max_prompt_chars: int = option(1_000_000, "longest prompt or message list, in characters")
     max_messages: int = option(256, "most chat messages in one request")
     max_prompt_tokens: int = option(0, "most prompt tokens in one request (0: the model's context)")

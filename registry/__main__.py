@@ -6,7 +6,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from canteen.auth import ApiKeys
+from canteen.admin_keys import AdminKeys
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
 from canteen.metrics import new_registry, start_metrics_http
@@ -29,7 +29,7 @@ POLICY = Policy.of(
 
 
 async def serve(config: RegistryConfig, tls: Tls | None) -> None:
-    admin_keys = ApiKeys.load(config.admin_keys_file, config.admin_keys)
+    admin_keys = AdminKeys.load(config.admin_keys_file, config.admin_keys)
     roots = tuple(Path(r.strip()) for r in config.model_root.split(",") if r.strip())
     registry = Registry(
         ModelStore(config.db), WorkerDirectory(config.lease_ttl), config.default_model

@@ -24,9 +24,11 @@ class RegistryConfig(InternalLinkOptions):
     lease_ttl: float = option(10.0, "seconds a worker lease lives without a heartbeat")
     grace: float = option(5.0, "seconds in-flight calls get on SIGTERM")
     admin_keys_file: str = option(
-        "", "admin keys, one a line (the gateway's key format): writes need one of them"
+        "",
+        "admin keys, one a line, each optionally 'scope=read' or 'scope=write' (the default): "
+        "writes need a write key",
     )
-    admin_keys: str = option("", "comma-separated admin keys")
+    admin_keys: str = option("", "comma-separated admin keys (scope write)")
     model_root: str = option(
         "",
         "folders AddModel may register weights from, comma-separated (empty: AddModel over "

@@ -11,6 +11,7 @@ from canteen.logging import get_logger
 from canteen.models import (
     DEFAULT_MODEL_NAME,
     DEFAULT_MODEL_VERSION,
+    check_under_roots,
     default_model_path,
     detect_format,
     read_max_model_len,
@@ -95,6 +96,11 @@ class Registry:
             )
         if not path.exists():
             raise InvalidModelError(f"path={given!r}: no such file or directory")
+        if self.model_roots:
+            try:
+                check_under_roots(path, self.model_roots)
+            except (ValueError, FileNotFoundError) as exc:
+                raise InvalidModelError(f"path={given!r}: {exc}") from None
         return path
 
     async def delete_model(self, name: str, version: str) -> None:

@@ -6,7 +6,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from canteen.auth import ApiKeys, AuthenticationError
+from canteen.admin_keys import WRITE, AdminKeys, AuthenticationError, ScopeError
+from canteen.auth import ApiKeys
 from canteen.v1 import registry_pb2 as pb
 from canteen.v1 import registry_pb2_grpc
 from registry.aliases import Alias, AliasTarget, AliasTargetNotFoundError, InvalidAliasError
@@ -54,12 +55,14 @@ def _entry_to_pb(entry: WorkerEntry) -> pb.WorkerEntry:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, registry: Registry, admin_keys: ApiKeys | None = None) -> None:
+    def __init__(self, registry: Registry, admin_keys: AdminKeys | ApiKeys | None = None) -> None:
         self._registry = registry
-        self._admin_keys = admin_keys or ApiKeys([])
+        if not isinstance(admin_keys, AdminKeys):
+            admin_keys = AdminKeys.all_write(admin_keys or ApiKeys([]))
+        self._admin_keys = admin_keys
 
-    async def _require_admin(self, context: grpc.aio.ServicerContext) -> None:
-        """Writes need an admin key (``authorization: Bearer KEY``)."""
+    async def _require_admin(self, context: grpc.aio.ServicerContext, action: str) -> None:
+        """Writes need an admin key of scope write (``authorization: Bearer KEY``)."""
         if not self._admin_keys.is_enabled:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -67,9 +70,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             )
         authorization = dict(context.invocation_metadata() or ()).get("authorization")
         try:
-            self._admin_keys.authenticate(str(authorization) if authorization else None)
+            self._admin_keys.authorize(str(authorization) if authorization else None, action, WRITE)
         except AuthenticationError as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"admin key: {exc.reason}")
+        except ScopeError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
 
     def _model_list(self, table: ModelTable) -> pb.ListModelsRegistryResponse:
         return pb.ListModelsRegistryResponse(
@@ -81,7 +86,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def AddModel(
         self, request: pb.AddModelRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelRecord:
-        await self._require_admin(context)
+        await self._require_admin(context, "AddModel")
         if not self._registry.model_roots:
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED,
@@ -102,7 +107,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def DeleteModel(
         self, request: pb.DeleteModelRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteModelResponse:
-        await self._require_admin(context)
+        await self._require_admin(context, "DeleteModel")
         try:
             await self._registry.delete_model(request.name, request.version)
         except InvalidModelError as exc:
@@ -136,7 +141,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def SetAlias(
         self, request: pb.SetAliasRequest, context: grpc.aio.ServicerContext
     ) -> pb.Alias:
-        await self._require_admin(context)
+        await self._require_admin(context, "SetAlias")
         try:
             return alias_to_pb(await self._registry.set_alias(alias_from_pb(request.alias)))
         except InvalidAliasError as exc:
@@ -148,7 +153,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def DeleteAlias(
         self, request: pb.DeleteAliasRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeleteAliasResponse:
-        await self._require_admin(context)
+        await self._require_admin(context, "DeleteAlias")
         try:
             await self._registry.delete_alias(request.name)
         except AliasNotFoundError as exc:

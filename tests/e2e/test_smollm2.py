@@ -52,6 +52,7 @@ def test_capital_of_france_through_canteen_generate(smol: SmolSuite) -> None:
             "32",
             "--address",
             smol.gateway.address,
+            "--insecure",
         ],
         capture_output=True,
         text=True,

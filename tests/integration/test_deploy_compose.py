@@ -114,6 +114,12 @@ def test_compose_only_the_gateway_is_published(full_config: dict[str, Any]) -> N
     gateway = full_config["services"]["gateway"]
     published = {(int(p["target"]), int(p["published"])) for p in gateway["ports"]}
     assert published == {(50051, 50051), (8080, 8080)}
+    # On the host's loopback unless GATEWAY_BIND asks for another address.
+    assert {p.get("host_ip") for p in gateway["ports"]} == {"127.0.0.1"}
+    asked = compose("config", "--format", "json", GATEWAY_BIND="0.0.0.0")
+    assert asked.returncode == 0, asked.stderr
+    gateway_asked = json.loads(asked.stdout)["services"]["gateway"]
+    assert {p.get("host_ip") for p in gateway_asked["ports"]} == {"0.0.0.0"}
     command = gateway["command"]
     assert flag_value(command, "--port") == "50051"
     assert flag_value(command, "--http-port") == "8080"
@@ -181,6 +187,9 @@ def test_compose_gateway_requires_api_keys() -> None:
         assert "CANTEEN_API_KEYS" in result.stderr
     gateway = compose_config()["services"]["gateway"]
     assert gateway["environment"]["CANTEEN_API_KEYS"] == TEST_API_KEY
+    # Every key gets default limits, which the operator may change.
+    assert gateway["environment"]["CANTEEN_RATE_LIMIT_RPM"] == "60"
+    assert gateway["environment"]["CANTEEN_RATE_LIMIT_TPM"] == "60000"
     assert "--allow-unauthenticated" not in gateway["command"]
     assert "CANTEEN_ALLOW_UNAUTHENTICATED" not in gateway["environment"]
 
@@ -225,12 +234,12 @@ def test_compose_services_use_their_roles_certificates(full_config: dict[str, An
         assert env["CANTEEN_TLS_KEY"] == f"{target}/{role}.key", name
         assert env["CANTEEN_TLS_CA"] == f"{target}/ca.pem", name
         assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-    # The admin key (registry writes; the gateway's /status and public /metrics) comes from
-    # the service's own folder of the certs volume too.
-    for name in ("registry", "gateway"):
+    # The admin keys come from the service's own folder of the certs volume too: the write key
+    # (registry writes) for the registry, a read key (/status, public /metrics) for the gateway.
+    for name, keys_file in (("registry", "admin-keys"), ("gateway", "status-keys")):
         svc = full_config["services"][name]
         admin_keys = flag_value(svc["command"], "--admin-keys-file") or ""
-        assert admin_keys == certs_mount(svc)["target"] + "/admin-keys", name
+        assert admin_keys == certs_mount(svc)["target"] + "/" + keys_file, name
     registry = full_config["services"]["registry"]
     roots = (flag_value(registry["command"], "--model-root") or "").split(",")
     assert roots == ["/models", dockerfile_arg("DEFAULT_MODEL_ROOT")]

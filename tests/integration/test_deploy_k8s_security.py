@@ -247,7 +247,7 @@ def test_k8s_services_take_certificates_and_keys_from_secrets() -> None:
     # Keys files come from Secrets too, mounted read-only and required.
     for role, flag, secret_name in (
         ("gateway", "--api-keys-file", "canteen-api-keys"),
-        ("gateway", "--admin-keys-file", "canteen-admin-keys"),
+        ("gateway", "--admin-keys-file", "canteen-status-keys"),
         ("registry", "--admin-keys-file", "canteen-admin-keys"),
     ):
         workload, container = next((w, c) for w, c in containers() if c["args"][0] == role)
@@ -258,8 +258,19 @@ def test_k8s_services_take_certificates_and_keys_from_secrets() -> None:
         assert mount["readOnly"] is True
         assert volumes[mount["name"]]["secret"]["secretName"] == secret_name
         assert not volumes[mount["name"]]["secret"].get("optional")
-    gateway = next(c for _, c in containers() if c["args"][0] == "gateway")
+    gateway_pod, gateway = next((w, c) for w, c in containers() if c["args"][0] == "gateway")
     assert "--allow-unauthenticated" not in gateway["args"]
+    # The internet-facing gateway holds no registry write key: canteen-admin-keys is mounted
+    # by the registry alone.
+    secrets = {
+        v["secret"]["secretName"]
+        for v in gateway_pod["spec"]["template"]["spec"]["volumes"]
+        if "secret" in v
+    }
+    assert "canteen-admin-keys" not in secrets and "canteen-status-keys" in secrets
+    # Every API key has limits by default.
+    assert flag_value(gateway["args"], "--rate-limit-rpm") == "60"
+    assert flag_value(gateway["args"], "--rate-limit-tpm") == "60000"
     registry = next(c for _, c in containers() if c["args"][0] == "registry")
     roots = (flag_value(registry["args"], "--model-root") or "").split(",")
     assert roots == ["/models", dockerfile_arg("DEFAULT_MODEL_ROOT")]

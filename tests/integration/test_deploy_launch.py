@@ -29,7 +29,8 @@ from cryptography.x509.oid import NameOID
 from prometheus_client.parser import text_string_to_metric_families
 
 from canteen import probe
-from canteen.v1 import inference_pb2, inference_pb2_grpc
+from canteen.tls import Tls, sync_channel
+from canteen.v1 import inference_pb2, inference_pb2_grpc, registry_pb2, registry_pb2_grpc
 from tests.support.deploy import (
     CANTEEN_METRICS,
     DOCKERFILE,
@@ -291,7 +292,8 @@ def test_compose_certs_job_outside_containers(tmp_path: Path, image: ImageRun) -
     assert len(admin_keys.split()) == 1 and len(admin_keys.strip()) >= 32
     for role in ROLES:
         folder = volume / role
-        extra = {"admin-keys"} if role in ("registry", "gateway", "client") else set()
+        extra = {"admin-keys"} if role in ("registry", "client") else set()
+        extra |= {"status-keys"} if role == "gateway" else set()
         # Its own certificate and key and the CA's certificate; never the CA's key.
         assert {p.name for p in folder.iterdir()} == {
             "ca.pem",
@@ -304,8 +306,12 @@ def test_compose_certs_job_outside_containers(tmp_path: Path, image: ImageRun) -
         (cn,) = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         assert cn.value == role
         assert (folder / f"{role}.key").stat().st_mode & 0o077 == 0, role
-        if extra:
+        if "admin-keys" in extra:
             assert (folder / "admin-keys").read_text() == admin_keys
+    # The gateway's read key is another key, and only a read key.
+    status_key, scope = (volume / "gateway" / "status-keys").read_text().split()
+    assert scope == "scope=read" and len(status_key) >= 32
+    assert status_key != admin_keys.strip()
     assert sorted(p.name for p in volume.rglob("ca.key")) == ["ca.key"]
     assert (volume / "ca" / "ca.key").is_file()
     # A second `up` keeps the CA and the certificates the services already trust.
@@ -412,12 +418,26 @@ def test_compose_commands_serve_outside_containers(
     with pytest.raises(urllib.error.HTTPError) as denied:
         urllib.request.urlopen(public_metrics, timeout=10)
     assert denied.value.code == 401
-    admin_key = (tmp_path / "volumes" / "certs" / "gateway" / "admin-keys").read_text().strip()
+    admin_key = (tmp_path / "volumes" / "certs" / "gateway" / "status-keys").read_text().split()[0]
     authorized = urllib.request.Request(
         public_metrics, headers={"Authorization": f"Bearer {admin_key}"}
     )
     with urllib.request.urlopen(authorized, timeout=10) as response:
         assert b"canteen_requests_total" in response.read()
+
+    # That key, the only admin key the gateway holds, cannot write to the registry.
+    client = Tls.from_folder(tmp_path / "volumes" / "certs" / "client", "client")
+    registry = f"127.0.0.1:{rewrite.ports[('registry', 50053)]}"
+    with sync_channel(registry, client, "registry") as channel:
+        registry_stub = registry_pb2_grpc.RegistryStub(channel)
+        with pytest.raises(grpc.RpcError) as refused_write:
+            registry_stub.DeleteModel(
+                registry_pb2.DeleteModelRequest(name="tiny", version="v1"),
+                timeout=10,
+                metadata=(("authorization", f"Bearer {admin_key}"),),
+            )
+        assert refused_write.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert refused_write.value.details() == "admin key: invalid API key"
 
     # Every service's /metrics, where compose tells Prometheus to scrape it, after that request.
     endpoints = {

@@ -232,6 +232,7 @@ def test_canteen_up_serves_and_stops_cleanly(tmp_path: Path, tiny_model_dir: Pat
                 "--ignore-eos",
                 "--address",
                 f"127.0.0.1:{base}",
+                "--insecure",
             ],
             capture_output=True,
             text=True,

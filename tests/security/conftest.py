@@ -20,6 +20,7 @@ from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, wait_serving
 # Tenants' API keys; sk-ops may ask for priority up to 5, the others for 0.
 KEY_A, KEY_B, KEY_OPS = "sk-tenant-a", "sk-tenant-b", "sk-ops"
 GATEWAY_ADMIN_KEY = "gw-admin-key"
+GATEWAY_ADMIN_FILE = "gateway-admin.txt"
 BLOCK_SIZE = 8
 
 
@@ -52,11 +53,12 @@ def secure(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     model_root = tiny_model_dir  # AddModel may register from here only
     keys = work / "keys.txt"
     keys.write_text(f"{KEY_A}\n{KEY_B}\n{KEY_OPS} priority=5\n")
-    admin = work / "gateway-admin.txt"
-    admin.write_text(f"{GATEWAY_ADMIN_KEY}\n")
+    admin = work / GATEWAY_ADMIN_FILE
+    admin.write_text(f"{GATEWAY_ADMIN_KEY} scope=read\n")  # the gateway holds no write key
     s = Suite(work, certs=certs, model_root=model_root)
     try:
-        registry = s.start_tiny_registry(tiny_model_dir)
+        # The registry knows the gateway's key as a read key: writes with it are refused.
+        registry = s.start_tiny_registry(tiny_model_dir, read_keys=(GATEWAY_ADMIN_KEY,))
         scheduler = s.start_scheduler(registry)
         worker = s.start_worker(
             registry,

@@ -225,12 +225,13 @@ class Suite:
             svc.name, svc.module, svc.args, svc.service, wait_ready=wait_ready, port=svc.port
         )
 
-    def start_registry(self, *args: str) -> Service:
-        """With the test admin key, and model roots of the whole temp tree (tests add
-        models they built in their own temp folders)."""
+    def start_registry(self, *args: str, read_keys: tuple[str, ...] = ()) -> Service:
+        """With the test admin key (scope write) and ``read_keys`` (scope read), and model
+        roots of the whole temp tree (tests add models they built in their own temp folders)."""
         db = str(self.workdir / "registry.db")
         keys = self.workdir / "admin-keys.txt"
-        keys.write_text(ADMIN_KEY + "\n")
+        lines = [ADMIN_KEY, *(f"{key} scope=read" for key in read_keys)]
+        keys.write_text("".join(f"{line}\n" for line in lines))
         parents = self.workdir.resolve().parents
         root = self.model_root or (parents[1] if len(parents) > 1 else self.workdir)
         security = ["--admin-keys-file", str(keys), "--model-root", str(root)]
@@ -238,7 +239,9 @@ class Suite:
             "registry", "registry", ["--db", db, *security, *args], "canteen.v1.Registry"
         )
 
-    def start_tiny_registry(self, model_dir: Path, *args: str) -> Service:
+    def start_tiny_registry(
+        self, model_dir: Path, *args: str, read_keys: tuple[str, ...] = ()
+    ) -> Service:
         """A registry serving only the tiny test model, as ``tiny:v1``, the default."""
         return self.start_registry(
             "--no-register-default",
@@ -247,6 +250,7 @@ class Suite:
             "--default-model",
             "tiny",
             *args,
+            read_keys=read_keys,
         )
 
     def start_scheduler(self, registry: Service, *args: str) -> Service:

@@ -397,3 +397,73 @@ def test_greedy_pick_keeps_torchs_answers_for_nan_and_infinite_rows() -> None:
     assert wide[1].tolist() == [0, 3, 35]
     with pytest.raises(RuntimeError, match="float32 or bfloat16 logits"):
         torch.ops.canteen.greedy_pick(logits.half(), True)
+
+
+def _worker_loads_kernels(folder: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "CANTEEN_KERNEL_DIR": str(folder), "CXX": "/bin/false"}
+    code = "from worker import kernels; print(kernels.available())"
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def _plant(folder: Path) -> Path:
+    """A copy of this machine's real library where a worker using ``folder`` looks for it."""
+    folder.mkdir(mode=0o755, exist_ok=True)
+    folder.chmod(0o755)
+    env = {**os.environ, "CANTEEN_KERNEL_DIR": str(folder)}
+    code = "from worker import kernels; print(kernels.library_path())"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    planted = Path(done.stdout.strip().splitlines()[-1])
+    planted.write_bytes(Path(kernels.build()).read_bytes())
+    planted.chmod(0o755)
+    return planted
+
+
+def test_a_library_in_a_world_writable_folder_is_refused(tmp_path: Path) -> None:
+    planted = _plant(tmp_path / "kernels")
+    planted.parent.chmod(0o777)
+    done = _worker_loads_kernels(planted.parent)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
+    logs = done.stdout + done.stderr
+    assert "CPU kernels refused; using the pure-torch path" in logs
+    assert (
+        f"kernel folder {planted.parent} has mode 0777: it must not be writable by group or "
+        "others (at most 0755)"
+    ) in logs
+
+
+def test_a_group_writable_or_symlinked_library_is_refused(tmp_path: Path) -> None:
+    planted = _plant(tmp_path / "kernels")
+    planted.chmod(0o775)
+    done = _worker_loads_kernels(planted.parent)
+    logs = done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
+    assert f"kernel library {planted} has mode 0775: it must not be writable" in logs
+
+    real = tmp_path / "elsewhere.so"
+    planted.rename(real)
+    real.chmod(0o755)
+    planted.symlink_to(real)
+    done = _worker_loads_kernels(planted.parent)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
+    assert f"kernel library {planted} must not be a symlink" in done.stdout + done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_library_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    planted = _plant(tmp_path / "kernels")
+    os.chown(planted, 12345, 12345)
+    done = _worker_loads_kernels(planted.parent)
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr
+    assert (
+        f"kernel library {planted} is owned by uid 12345: it must be owned by the worker's "
+        "user (uid 0) or root"
+    ) in done.stdout + done.stderr
+
+
+def test_a_checked_library_loads_and_the_build_leaves_no_temporary_file(tmp_path: Path) -> None:
+    planted = _plant(tmp_path / "kernels")
+    done = _worker_loads_kernels(planted.parent)
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stderr
+    assert sorted(p.name for p in planted.parent.iterdir()) == [".build.lock", planted.name]

@@ -10,16 +10,26 @@ units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environmen
 ``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``), and
 a worker that finds none builds it under a file lock, so concurrent workers build once. Without
 a compiler, or with ``CANTEEN_KERNELS=0``, the worker keeps the pure-torch path and logs why.
+
+A library is native code the worker runs, so the folder and the file must be owned by the
+worker's user (or root), not writable by group or others, and not symlinks; anything else is
+refused with the path and the rule, and the worker keeps the pure-torch path. The file is
+opened once with ``O_NOFOLLOW``, checked on that descriptor, and loaded through it, so it
+cannot be swapped between the check and the load. Builds write a unique temporary file in the
+same folder and rename it into place.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
 import platform
+import stat
 import subprocess
 import sys
+import tempfile
 from functools import cache
 from pathlib import Path
 
@@ -93,28 +103,86 @@ def _compile_command(out: Path, flags: tuple[str, ...] = FLAGS) -> list[str]:
     ]
 
 
+class UnsafeKernelError(RuntimeError):
+    """A kernel folder or library that another user could have written; never loaded."""
+
+
+def _check_owner_and_mode(info: os.stat_result, path: Path, what: str) -> None:
+    euid = os.geteuid()
+    if info.st_uid not in (euid, 0):
+        raise UnsafeKernelError(
+            f"kernel {what} {path} is owned by uid {info.st_uid}: it must be owned by the "
+            f"worker's user (uid {euid}) or root"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeKernelError(
+            f"kernel {what} {path} has mode {stat.S_IMODE(info.st_mode):04o}: it must not be "
+            "writable by group or others (at most 0755)"
+        )
+
+
+def check_folder(folder: Path) -> None:
+    """Raises UnsafeKernelError unless ``folder`` is a real directory only its owner writes."""
+    info = os.lstat(folder)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise UnsafeKernelError(f"kernel folder {folder} must be a directory, not a symlink")
+    _check_owner_and_mode(info, folder, "folder")
+
+
+def open_library(path: Path) -> int:
+    """A descriptor on ``path`` once it passes the checks; raises UnsafeKernelError."""
+    check_folder(path.parent)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeKernelError(f"kernel library {path} must not be a symlink") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafeKernelError(f"kernel library {path} must be a regular file")
+        _check_owner_and_mode(info, path, "library")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def build() -> Path:
     """Compiles the library if this machine has none yet; returns its path. Raises
-    RuntimeError with the compiler's message when the build fails."""
+    RuntimeError with the compiler's message when the build fails, UnsafeKernelError when the
+    folder may be written by others."""
     path = library_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / ".build.lock", "w") as lock:
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    check_folder(path.parent)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(path.parent / ".build.lock", flags, 0o600), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another worker may be building the same library
-        if path.exists():
+        if os.path.lexists(path):
             return path
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        fd, name = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
         log.info("building CPU kernels", path=str(path))
         try:
-            done = subprocess.run(
-                _compile_command(tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-            )
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise RuntimeError(f"compiler did not run: {exc}") from exc
-        if done.returncode != 0:
+            _compile(tmp)
+            tmp.chmod(0o755)
+            os.replace(tmp, path)
+        finally:
             tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"compiler failed: {done.stderr[-2000:]}")
-        tmp.rename(path)
     return path
+
+
+def _compile(out: Path) -> None:
+    try:
+        done = subprocess.run(
+            _compile_command(out), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(f"compiler did not run: {exc}") from exc
+    if done.returncode != 0:
+        raise RuntimeError(f"compiler failed: {done.stderr[-2000:]}")
 
 
 @cache
@@ -124,10 +192,20 @@ def available() -> bool:
         log.info("CPU kernels off", reason="CANTEEN_KERNELS=0")
         return False
     try:
-        torch.ops.load_library(str(build()))  # type: ignore[no-untyped-call]
+        fd = open_library(build())
+    except UnsafeKernelError as exc:
+        log.warning("CPU kernels refused; using the pure-torch path", error=str(exc))
+        return False
     except (RuntimeError, OSError) as exc:
         log.warning("CPU kernels unavailable; using the pure-torch path", error=str(exc)[-500:])
         return False
+    try:  # load what was checked, through its descriptor: a swapped path changes nothing
+        torch.ops.load_library(f"/proc/self/fd/{fd}")  # type: ignore[no-untyped-call]
+    except (RuntimeError, OSError) as exc:
+        log.warning("CPU kernels unavailable; using the pure-torch path", error=str(exc)[-500:])
+        return False
+    finally:
+        os.close(fd)
     return True
 
 

@@ -127,10 +127,13 @@ def load_model(
     if not weights.exists():
         raise ModelLoadError(f"model path {path!r} does not exist on this worker")
     if verify_checksum and sha256:
+        # Over every file transformers reads here (canteen.models.model_files): weights,
+        # config, tokenizer and chat template; a file changed since AddModel is refused.
         actual = weights_sha256(weights)
         if actual != sha256:
             raise ModelLoadError(
-                f"checksum mismatch for {path}: registry has {sha256}, file has {actual}"
+                f"checksum mismatch for {path}: registry has {sha256}, file has {actual} "
+                "(the sha256 covers weights, config, tokenizer and chat template)"
             )
     kwargs: dict[str, object] = {"dtype": dtype, "attn_implementation": ATTENTION_NAME}
     if fmt == "gguf":

@@ -217,6 +217,7 @@ class Launcher:
             "Metrics: http://127.0.0.1:PORT/metrics on "
             + ", ".join(f"{n} {lay.metrics_port(n)}" for n in lay.names()),
             f"State: {self.state_file}" if self.state_file else "State: not written",
-            f"Try: canteen generate --chat 'Hello!' --address 127.0.0.1:{lay.port('gateway')}",
+            f"Try: canteen generate --chat 'Hello!' --address 127.0.0.1:{lay.port('gateway')} "
+            "--insecure",
         ]
         print("\n".join(lines), flush=True)
