@@ -218,11 +218,11 @@ class HttpEdge:
     def _token_logprobs(self, req: OpenAIRequest, delta: TextDelta) -> TokenLogprobs | None:
         if not req.logprobs:
             return None
-        texts = self.service.token_texts(delta.model, delta.token_ids)
+        texts = self.service.tokens.token_texts(delta.model, delta.token_ids)
         tops = [
             list(
                 zip(
-                    self.service.token_texts(delta.model, [t for t, _ in top]),
+                    self.service.tokens.token_texts(delta.model, [t for t, _ in top]),
                     [p for _, p in top],
                     strict=True,
                 )
@@ -312,7 +312,7 @@ class HttpEdge:
         prompt, messages = body.get("prompt"), body.get("messages")
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
-        model, ids = await self.service.tokenize(
+        model, ids = await self.service.tokens.tokenize(
             _model(body), prompt, None if messages is None else parse_messages(messages)
         )
         return web.json_response({"model": model, "tokens": ids, "count": len(ids)})
@@ -320,7 +320,7 @@ class HttpEdge:
     async def detokenize(self, request: web.Request) -> web.Response:
         body = _object(await self._body(request))
         refuse_unknown("", body, _DETOKENIZE_FIELDS)
-        model, text = await self.service.detokenize(_model(body), body.get("tokens"))
+        model, text = await self.service.tokens.detokenize(_model(body), body.get("tokens"))
         return web.json_response({"model": model, "prompt": text})
 
     async def healthz(self, request: web.Request) -> web.Response:

@@ -236,7 +236,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         await self._begin(context)
         which = request.WhichOneof("input")
         try:
-            model, ids = await self._service.tokenize(
+            model, ids = await self._service.tokens.tokenize(
                 request.model,
                 request.prompt if which == "prompt" else None,
                 messages_from_pb(request.messages) if which == "messages" else None,
@@ -250,7 +250,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.DetokenizeResponse:
         await self._begin(context)
         try:
-            model, text = await self._service.detokenize(request.model, list(request.token_ids))
+            model, text = await self._service.tokens.detokenize(
+                request.model, list(request.token_ids)
+            )
         except Exception as exc:
             await _abort_known(context, exc)
         return inference_pb2.DetokenizeResponse(model=model, text=text)
