@@ -7,7 +7,9 @@ and the rate-limit reservation. What passes is an ``Admitted`` request, ready to
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from canteen.auth import ANONYMOUS, Principal
 from canteen.grammar import ConstraintError
@@ -16,12 +18,16 @@ from gateway.config import GatewayConfig
 from gateway.errors import InvalidInputError, status_of
 from gateway.limits import RateLimiter, Reservation
 from gateway.metrics import GatewayMetrics
+from gateway.prep_pool import PrepPool
 from gateway.screen import Screen, screen_prompt
 from gateway.tokenizers import TemplateError, Tokenizer, TokenizerCache
 from gateway.tools import parameters_constraint
 from gateway.validate import GenerateInput, check_shape
 
 UNSET_MAX_TOKENS_RESERVE = 512  # tokens a request without max_tokens reserves for its answer
+# Prompts up to this many characters (no tools, no constraint) take about a millisecond to
+# prepare: done on the event loop, so they never wait behind a large one in the pool.
+SMALL_PREP_CHARS = 8192
 
 
 @dataclass(frozen=True)
@@ -52,60 +58,125 @@ class Admission:
         self.metrics = metrics
         self.screen = screen
         self.limiter = RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm)
-
-    async def prepare(self, inp: GenerateInput) -> tuple[ModelVersion, Tokenizer, list[int]]:
-        check_shape(inp, self.config)
-        model = self.catalog.resolve(inp.model)
-        tokenizer = await self.tokenizers.get(model)
-        try:
-            ids = (
-                tokenizer.encode(inp.prompt)
-                if inp.prompt is not None
-                else tokenizer.render_chat(inp.messages or [], inp.tools)
-            )
-        except TemplateError as exc:
-            raise InvalidInputError(str(exc)) from exc
-        if not ids:
-            raise InvalidInputError("the prompt is empty after tokenization")
-        check_grammars(inp, tokenizer)
-        check_prompt_tokens(inp, model, tokenizer, ids, self.config.max_prompt_tokens)
-        return model, tokenizer, ids
+        self.pool = PrepPool(config.prep_threads, config.prep_queue, config.prep_deadline)
 
     async def admit(self, inp: GenerateInput, principal: Principal = ANONYMOUS) -> Admitted:
-        """Everything that can refuse a request before any token: shape, model, the key's
-        allow list, the content screen, the rate limit. Refusals are counted by status."""
+        """One request through ``admit_all``."""
+        return (await self.admit_all([inp], principal))[0]
+
+    async def admit_all(
+        self, inputs: Sequence[GenerateInput], principal: Principal = ANONYMOUS
+    ) -> list[Admitted]:
+        """Everything that can refuse a request's choices (the same prompt, tools and
+        constraint, one input each) before any token: sizes, model, the key's allow list
+        and rate limit, then the preparation, once for all. Refusals are counted by status."""
         try:
-            return await self._admit(inp, principal)
+            return await self._admit_all(inputs, principal)
         except Exception as exc:
             code = status_of(exc)
             self.metrics.refused(code.name if code is not None else "INTERNAL")
             raise
 
-    async def _admit(self, inp: GenerateInput, principal: Principal) -> Admitted:
-        model, tokenizer, ids = await self.prepare(inp)
+    async def _admit_all(
+        self, inputs: Sequence[GenerateInput], principal: Principal
+    ) -> list[Admitted]:
+        for inp in inputs:
+            check_shape(inp, self.config)
+        first = inputs[0]
+        model = self.catalog.resolve(first.model)
         principal.require_model(model.name)
-        principal.require_priority(inp.priority)
-        if self.screen is not None:
-            reason = screen_prompt(self.screen, inp.prompt, inp.messages)
-            if reason is not None:
-                raise InvalidInputError(reason)
-        max_tokens = inp.max_tokens or min(
-            model.max_model_len - len(ids), self.config.max_output_tokens or model.max_model_len
-        )
-        # An unset max_tokens reserves a bounded guess; settle() charges what was used.
-        reserved = len(ids) + (inp.max_tokens or min(max_tokens, UNSET_MAX_TOKENS_RESERVE))
-        reservation = self.limiter.reserve(
-            principal.key_id, reserved, rpm=principal.rpm, tpm=principal.tpm
-        )
+        principal.require_priority(first.priority)
+        # The rate limit before any work, on an estimate; trued up once tokenized.
+        tpm = self.limiter.tpm if principal.tpm is None else principal.tpm
+        estimate = _estimate_tokens(first, model.max_model_len)
+        reservations: list[Reservation] = []
+        try:
+            for inp in inputs:
+                reserved = estimate + (inp.max_tokens or UNSET_MAX_TOKENS_RESERVE)
+                reservations.append(
+                    self.limiter.reserve(
+                        principal.key_id,
+                        min(reserved, tpm) if tpm else reserved,
+                        rpm=principal.rpm,
+                        tpm=principal.tpm,
+                    )
+                )
+            tokenizer = await self.tokenizers.get(model)
+            prepare = partial(prepare_prompt, first, tokenizer, self.screen)
+            if _is_small(first):  # a millisecond's work: never queued behind a large one
+                ids = prepare()
+            else:
+                ids = await self.pool.run(
+                    "preparing the prompt (tokenize, chat template, grammars)", prepare
+                )
+            check_prompt_tokens(first, model, tokenizer, ids, self.config.max_prompt_tokens)
+            max_tokens = first.max_tokens or min(
+                model.max_model_len - len(ids),
+                self.config.max_output_tokens or model.max_model_len,
+            )
+            for inp, reservation in zip(inputs, reservations, strict=True):
+                # An unset max_tokens reserves a bounded guess; settle() charges what was used.
+                used = len(ids) + (inp.max_tokens or min(max_tokens, UNSET_MAX_TOKENS_RESERVE))
+                self.limiter.true_up(reservation, used, tpm=principal.tpm)
+        except BaseException:
+            for reservation in reservations:
+                reservation.settle(0)
+            raise
         # --cache-isolation key: each key's prompts hash apart, so cached_tokens and timing
         # say nothing about what another key sent.
         salt = principal.key_id if self.config.cache_isolation == "key" else ""
-        return Admitted(inp, model, tokenizer, ids, max_tokens, reservation, salt)
+        return [
+            Admitted(inp, model, tokenizer, ids, max_tokens, r, salt)
+            for inp, r in zip(inputs, reservations, strict=True)
+        ]
+
+
+def _is_small(inp: GenerateInput) -> bool:
+    """A short prompt with no tools and no output constraint, prepared on the event loop."""
+    chars = len(inp.prompt) if inp.prompt is not None else check_messages_chars(inp)
+    return chars <= SMALL_PREP_CHARS and inp.tools is None and inp.sampling.constraint is None
+
+
+def _estimate_tokens(inp: GenerateInput, max_model_len: int) -> int:
+    """The prompt's tokens guessed from its characters (about four a token), at most the
+    model's context; the reservation is trued up to the real count once tokenized."""
+    chars = len(inp.prompt) if inp.prompt is not None else check_messages_chars(inp)
+    return min(chars // 4 + 1, max_model_len)
+
+
+def check_messages_chars(inp: GenerateInput) -> int:
+    return sum(len(str(m.get("content", ""))) for m in inp.messages or ())
+
+
+def prepare_prompt(inp: GenerateInput, tokenizer: Tokenizer, screen: Screen | None) -> list[int]:
+    """The CPU-heavy part, on a preparation thread: the prompt's token ids (the chat
+    template rendered), every grammar compiled, the content screen on what the model reads."""
+    try:
+        if inp.prompt is not None:
+            text, ids = inp.prompt, tokenizer.encode(inp.prompt)
+        else:
+            text = tokenizer.render_text(inp.messages or [], inp.tools)
+            ids = tokenizer.encode(text)
+    except TemplateError as exc:
+        raise InvalidInputError(str(exc)) from exc
+    if not ids:
+        raise InvalidInputError("the prompt is empty after tokenization")
+    check_grammars(inp, tokenizer)
+    if screen is not None:
+        reason = screen_prompt(screen, inp.prompt, inp.messages)
+        if reason is None and inp.messages is not None:
+            # The rendered prompt: tool descriptions and earlier calls' arguments included.
+            found = screen.screen_input(text)
+            reason = None if found is None else f"the rendered chat prompt: {found}"
+        if reason is not None:
+            raise InvalidInputError(reason)
+    return ids
 
 
 def check_grammars(inp: GenerateInput, tokenizer: Tokenizer) -> None:
     """Compiles each tool's parameters and the output constraint; refuses naming the field."""
-    for i, function in enumerate(inp.tools.functions if inp.tools is not None else ()):
+    offered = inp.tools.functions if inp.tools is not None and inp.tools.is_offered else ()
+    for i, function in enumerate(offered):
         try:
             tokenizer.check_constraint(parameters_constraint(function))
         except ConstraintError as exc:

@@ -8,6 +8,7 @@ serves tokenize and detokenize.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -41,6 +42,7 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+READY_CACHE_SECONDS = 1.0  # how long /v1/models and ListModels reuse the scheduler's answer
 
 
 def schedule_request(admitted: Admitted) -> scheduler_pb2.ScheduleRequest:
@@ -81,15 +83,22 @@ class InferenceService:
         self.screen = screen
         self.admission = Admission(config, catalog, tokenizers, metrics, screen)
         self.limiter = self.admission.limiter
-        self.tokens = TokenEndpoints(config, catalog, tokenizers)
+        self.tokens = TokenEndpoints(self.admission)
+        self._ready: tuple[float, set[str]] | None = None  # (when asked, the answer)
 
     async def ready_models(self) -> set[str]:
-        """Names of the models a ready worker serves now (empty when the scheduler is away)."""
+        """Names of the models a ready worker serves now (empty when the scheduler is away);
+        asked of the scheduler at most once a second, however often models are listed."""
+        now = time.monotonic()
+        if self._ready is not None and now - self._ready[0] < READY_CACHE_SECONDS:
+            return self._ready[1]
         try:
             stats = await self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=2)
         except grpc.aio.AioRpcError:
             return set()
-        return {w.model for w in stats.workers if w.is_ready}
+        ready = {w.model for w in stats.workers if w.is_ready}
+        self._ready = (time.monotonic(), ready)
+        return ready
 
     def check_shape(self, inp: GenerateInput) -> None:
         """Checks what needs no tokenizer; raises InvalidInputError naming field and limit."""

@@ -5,6 +5,7 @@ Every refusal is an InvalidInputError naming the field and the limit it broke.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -12,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from canteen.plan import Sampling
-from gateway.config import GatewayConfig
+from gateway.edge_limits import EdgeLimits
 from gateway.errors import InvalidInputError
 from gateway.tools import ChatMessage, ToolRequest, check_role
 
@@ -46,7 +47,7 @@ class GenerateInput:
     is_sampling_checked: bool = False
 
 
-def check_shape(inp: GenerateInput, c: GatewayConfig) -> None:
+def check_shape(inp: GenerateInput, c: EdgeLimits) -> None:
     """Checks what needs no tokenizer; raises InvalidInputError naming field and limit."""
     if (inp.prompt is None) == (inp.messages is None):
         raise InvalidInputError("exactly one of prompt or messages is required")
@@ -56,6 +57,7 @@ def check_shape(inp: GenerateInput, c: GatewayConfig) -> None:
         check_messages(inp.messages, c.max_messages, c.max_prompt_chars)
     if inp.tools is not None and inp.tools.functions and inp.messages is None:
         raise InvalidInputError("tools: need chat messages, not a prompt")
+    check_schemas(inp, c)
     if inp.max_tokens is not None and inp.max_tokens < 1:
         raise InvalidInputError(f"max_tokens={inp.max_tokens}: must be >= 1")
     if c.max_output_tokens and inp.max_tokens is not None and inp.max_tokens > c.max_output_tokens:
@@ -97,3 +99,56 @@ def check_messages(
         total += len(str(message.get("content", "")))
     if total > max_chars:
         raise InvalidInputError(f"messages have {total} characters; the limit is {max_chars}")
+
+
+def check_schemas(inp: GenerateInput, c: EdgeLimits) -> None:
+    """Tools and the output constraint against the schema caps, before any compile: each
+    tool's parameters, all schemas together, and how deep one nests."""
+    functions = inp.tools.functions if inp.tools is not None else ()
+    if len(functions) > c.max_tools:
+        raise InvalidInputError(
+            f"tools has {len(functions)} entries; the limit is {c.max_tools} (--max-tools)",
+            param="tools",
+        )
+    total = 0
+    for i, function in enumerate(functions):
+        where = f"tools[{i}].function.parameters"
+        size = len(json.dumps(function.parameters).encode())
+        if size > c.max_tool_schema_bytes:
+            raise InvalidInputError(
+                f"{where}: {size} bytes of JSON; the limit is {c.max_tool_schema_bytes} "
+                "(--max-tool-schema-bytes)",
+                param=where,
+            )
+        _check_depth(function.parameters, where, c.max_schema_depth)
+        total += size
+    constraint = inp.sampling.constraint
+    is_tool_grammar = inp.tools is not None and inp.tools.is_forced  # made of the tools above
+    if constraint is not None and not is_tool_grammar:
+        total += len(constraint.text.encode())
+        if constraint.kind == "json_schema" and constraint.text:
+            _check_depth(json.loads(constraint.text), "response_format", c.max_schema_depth)
+    if total > c.max_schema_bytes:
+        raise InvalidInputError(
+            f"the request's schemas have {total} bytes of JSON; the limit is "
+            f"{c.max_schema_bytes} (--max-schema-bytes)"
+        )
+
+
+def _check_depth(value: object, where: str, limit: int) -> None:
+    """Refuses a JSON value whose objects and arrays nest deeper than ``limit``."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            raise InvalidInputError(
+                f"{where}: nests {depth} levels deep; the limit is {limit} (--max-schema-depth)",
+                param=where,
+            )
+        stack.extend((child, depth + 1) for child in children)

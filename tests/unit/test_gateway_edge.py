@@ -1,0 +1,161 @@
+"""The edge's limit table, schema caps, preparation pool and rate-limit true-up, without a
+server: each refusal names the field or the rule and the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+
+from canteen.plan import Constraint, Sampling
+from gateway.config import GatewayConfig
+from gateway.errors import InvalidInputError
+from gateway.http import user_label
+from gateway.limits import NeverFitsError, RateLimiter
+from gateway.prep_pool import PrepBusyError, PrepDeadlineError, PrepPool
+from gateway.tools import Function, ToolRequest
+from gateway.validate import GenerateInput, check_shape
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _tools(*parameters: dict[str, object], choice: str = "auto") -> ToolRequest:
+    functions = tuple(Function(f"f{i}", "", p) for i, p in enumerate(parameters))
+    return ToolRequest(functions, choice)
+
+
+def _nested(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "object"}
+    for _ in range(depth - 1):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_one_tool_over_its_schema_cap_is_refused_naming_the_flag() -> None:
+    limits = GatewayConfig(max_tool_schema_bytes=100)
+    big = {"type": "object", "description": "x" * 200}
+    inp = GenerateInput("r", messages=list(CHAT), tools=_tools({"type": "object"}, big))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError) as info:
+        check_shape(inp, limits)
+    assert str(info.value) == (
+        "tools[1].function.parameters: 237 bytes of JSON; the limit is 100 "
+        "(--max-tool-schema-bytes)"
+    )
+    assert info.value.param == "tools[1].function.parameters"
+
+
+def test_all_schemas_together_over_the_total_cap_are_refused() -> None:
+    limits = GatewayConfig(max_tool_schema_bytes=1024, max_schema_bytes=2048)
+    one = {"type": "object", "description": "x" * 900}
+    inp = GenerateInput("r", messages=list(CHAT), tools=_tools(one, one, one))  # type: ignore[arg-type]
+    with pytest.raises(
+        InvalidInputError,
+        match=r"the request's schemas have 2\d{3} bytes of JSON; "
+        r"the limit is 2048 \(--max-schema-bytes\)",
+    ):
+        check_shape(inp, limits)
+    two = GenerateInput("r", messages=list(CHAT), tools=_tools(one, one))  # type: ignore[arg-type]
+    check_shape(two, limits)  # two fit
+
+
+def test_a_deeply_nested_schema_is_refused_in_tools_and_response_format() -> None:
+    limits = GatewayConfig(max_schema_depth=8)
+    inp = GenerateInput("r", messages=list(CHAT), tools=_tools(_nested(4)))  # type: ignore[arg-type]
+    check_shape(inp, limits)  # 4 objects nest 7 levels with their properties maps
+    deep = GenerateInput("r", messages=list(CHAT), tools=_tools(_nested(40)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError) as info:
+        check_shape(deep, limits)
+    assert str(info.value) == (
+        "tools[0].function.parameters: nests 9 levels deep; the limit is 8 (--max-schema-depth)"
+    )
+    constraint = Constraint("json_schema", text=json.dumps(_nested(40)))
+    prompt = GenerateInput("r", prompt="hi", sampling=Sampling(constraint=constraint))
+    with pytest.raises(InvalidInputError, match=r"response_format: nests 9 levels deep"):
+        check_shape(prompt, limits)
+
+
+def test_too_many_tools_name_the_flag() -> None:
+    inp = GenerateInput("r", messages=list(CHAT), tools=_tools({}, {}, {}))  # type: ignore[arg-type]
+    with pytest.raises(
+        InvalidInputError, match=r"^tools has 3 entries; the limit is 2 \(--max-tools\)$"
+    ):
+        check_shape(inp, GatewayConfig(max_tools=2))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("prep_threads", 0, "prep_threads=0: must be in 1..64"),
+        ("prep_queue", -1, "prep_queue=-1: must be >= 0"),
+        ("max_tools", 129, "max_tools=129: must be in 1..128"),
+        ("max_body_bytes", 10, "max_body_bytes=10: must be >= 1024"),
+    ],
+)
+def test_the_limit_table_keeps_its_bounds(field: str, value: int, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        GatewayConfig(**{field: value})  # type: ignore[arg-type]
+    assert str(info.value) == message
+
+
+def test_a_full_pool_refuses_and_a_slow_preparation_misses_its_deadline() -> None:
+    async def main() -> None:
+        pool = PrepPool(num_threads=1, queue=1, deadline=0.3)
+        release = threading.Event()
+        slow = [asyncio.ensure_future(pool.run("waiting", release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(PrepBusyError) as busy:
+            await pool.run("third", lambda: 1)
+        assert "1 threads busy and 1 waiting, the limit (--prep-queue 1)" in str(busy.value)
+        for task in slow:
+            with pytest.raises(PrepDeadlineError) as late:
+                await task
+            assert (
+                str(late.value) == "waiting took longer than the limit of 0.3 s (--prep-deadline)"
+            )
+        assert pool.num_pending == 2  # the threads are still held: still counted
+        release.set()
+        await asyncio.sleep(0.1)
+        assert pool.num_pending == 0
+        assert await pool.run("quick", lambda: 41 + 1) == 42
+        pool.close()
+
+    asyncio.run(main())
+
+
+def test_the_event_loop_runs_while_a_preparation_works() -> None:
+    async def main() -> float:
+        pool = PrepPool(num_threads=1, queue=0, deadline=5)
+        worst, last = 0.0, time.monotonic()
+        work = asyncio.ensure_future(pool.run("sleep", lambda: time.sleep(0.5)))
+        while not work.done():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            worst, last = max(worst, now - last), now
+        pool.close()
+        return worst
+
+    assert asyncio.run(main()) < 0.2
+
+
+def test_a_reservation_on_an_estimate_is_trued_up_to_the_real_count() -> None:
+    now = [0.0]
+    limiter = RateLimiter(rpm=0, tpm=1000, clock=lambda: now[0])
+    reservation = limiter.reserve("k", 100)
+    limiter.true_up(reservation, 700)
+    assert reservation.num_tokens == 700
+    with pytest.raises(Exception, match="rate limit: 1000 tokens per minute for key k"):
+        limiter.reserve("k", 301)
+    assert reservation.settle(200) == 500  # refunds what the real request did not use
+    limiter.reserve("k", 800)
+    other = limiter.reserve("j", 10)
+    with pytest.raises(NeverFitsError, match="request needs 1001 tokens"):
+        limiter.true_up(other, 1001)
+
+
+def test_the_user_field_is_logged_as_a_short_hash() -> None:
+    label = user_label("alice@example.com" * 1000)
+    assert label.startswith("u-") and len(label) == 18
+    assert label == user_label("alice@example.com" * 1000) != user_label("bob")
