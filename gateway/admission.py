@@ -80,9 +80,12 @@ class Admission:
     async def _admit_all(
         self, inputs: Sequence[GenerateInput], principal: Principal
     ) -> list[Admitted]:
-        for inp in inputs:
-            check_shape(inp, self.config)
         first = inputs[0]
+        check_shape(first, self.config)
+        for inp in inputs[1:]:
+            if not _is_same_preparation(first, inp):
+                raise ValueError("admit_all: the choices must share model, prompt and tools")
+            check_shape(inp, self.config, is_schema_checked=True)
         model = self.catalog.resolve(first.model)
         principal.require_model(model.name)
         principal.require_priority(first.priority)
@@ -131,10 +134,27 @@ class Admission:
         ]
 
 
+def _is_same_preparation(a: GenerateInput, b: GenerateInput) -> bool:
+    """Whether ``b`` is prepared as ``a`` is (choices of one request share these objects)."""
+    return (
+        a.model == b.model
+        and a.prompt is b.prompt
+        and a.messages is b.messages
+        and a.tools is b.tools
+        and a.sampling.constraint is b.sampling.constraint
+        and a.stop_token_ids == b.stop_token_ids
+        and a.priority == b.priority
+    )
+
+
+def is_small_text(chars: int) -> bool:
+    return chars <= SMALL_PREP_CHARS
+
+
 def _is_small(inp: GenerateInput) -> bool:
     """A short prompt with no tools and no output constraint, prepared on the event loop."""
     chars = len(inp.prompt) if inp.prompt is not None else check_messages_chars(inp)
-    return chars <= SMALL_PREP_CHARS and inp.tools is None and inp.sampling.constraint is None
+    return is_small_text(chars) and inp.tools is None and inp.sampling.constraint is None
 
 
 def _estimate_tokens(inp: GenerateInput, max_model_len: int) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 
 from canteen.auth import ANONYMOUS, Principal
-from gateway.admission import Admission
+from gateway.admission import Admission, is_small_text
 from gateway.catalog import ModelVersion
 from gateway.errors import InvalidInputError, status_of
 from gateway.limits import Reservation
@@ -40,9 +40,12 @@ class TokenEndpoints:
             check_messages(messages, self.config.max_messages, self.config.max_prompt_chars)
             chars = sum(len(m.get("content", "")) for m in messages)
         model, tokenizer, reservation = await self._begin(model_name, principal, chars // 4 + 1)
+        work = partial(_tokenize, tokenizer, prompt, messages)
         try:
-            ids = await self.admission.pool.run(
-                "tokenizing", partial(_tokenize, tokenizer, prompt, messages)
+            ids = (
+                work()
+                if is_small_text(chars)
+                else await self.admission.pool.run("tokenizing", work)
             )
         except BaseException:
             reservation.settle(0)
@@ -70,9 +73,9 @@ class TokenEndpoints:
                     raise InvalidInputError(
                         f"tokens: {t} is outside the vocabulary of {tokenizer.vocab_size}"
                     )
-            text = await self.admission.pool.run(
-                "detokenizing", partial(tokenizer.decode, token_ids)
-            )
+            work = partial(tokenizer.decode, token_ids)
+            small = is_small_text(len(token_ids))
+            text = work() if small else await self.admission.pool.run("detokenizing", work)
         finally:
             reservation.settle(len(token_ids))
         return model.ref, text

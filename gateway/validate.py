@@ -47,8 +47,9 @@ class GenerateInput:
     is_sampling_checked: bool = False
 
 
-def check_shape(inp: GenerateInput, c: EdgeLimits) -> None:
-    """Checks what needs no tokenizer; raises InvalidInputError naming field and limit."""
+def check_shape(inp: GenerateInput, c: EdgeLimits, is_schema_checked: bool = False) -> None:
+    """Checks what needs no tokenizer; raises InvalidInputError naming field and limit.
+    ``is_schema_checked``: the tools and constraint passed (another choice shares them)."""
     if (inp.prompt is None) == (inp.messages is None):
         raise InvalidInputError("exactly one of prompt or messages is required")
     if inp.prompt is not None:
@@ -57,7 +58,8 @@ def check_shape(inp: GenerateInput, c: EdgeLimits) -> None:
         check_messages(inp.messages, c.max_messages, c.max_prompt_chars)
     if inp.tools is not None and inp.tools.functions and inp.messages is None:
         raise InvalidInputError("tools: need chat messages, not a prompt")
-    check_schemas(inp, c)
+    if not is_schema_checked:
+        check_schemas(inp, c)
     if inp.max_tokens is not None and inp.max_tokens < 1:
         raise InvalidInputError(f"max_tokens={inp.max_tokens}: must be >= 1")
     if c.max_output_tokens and inp.max_tokens is not None and inp.max_tokens > c.max_output_tokens:

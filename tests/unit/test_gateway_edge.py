@@ -7,17 +7,24 @@ import asyncio
 import json
 import threading
 import time
+from dataclasses import replace
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from canteen.plan import Constraint, Sampling
+from gateway.admission import Admission
+from gateway.catalog import ModelVersion
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidInputError
 from gateway.http import user_label
 from gateway.limits import NeverFitsError, RateLimiter
+from gateway.metrics import GatewayMetrics
 from gateway.prep_pool import PrepBusyError, PrepDeadlineError, PrepPool
+from gateway.tokenizers import Tokenizer
 from gateway.tools import Function, ToolRequest
 from gateway.validate import GenerateInput, check_shape
+from tests.support.tiny_model import build_tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -159,3 +166,61 @@ def test_the_user_field_is_logged_as_a_short_hash() -> None:
     label = user_label("alice@example.com" * 1000)
     assert label.startswith("u-") and len(label) == 18
     assert label == user_label("alice@example.com" * 1000) != user_label("bob")
+
+
+class _Catalog:
+    def resolve(self, name: str) -> ModelVersion:
+        return ModelVersion("tiny", "v1", "safetensors", "/nowhere", 8192)
+
+
+class _Tokenizers:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    async def get(self, model: ModelVersion) -> Tokenizer:
+        return self.tokenizer
+
+
+class _CountingTokenizer(Tokenizer):
+    def __init__(self) -> None:
+        super().__init__(build_tokenizer())
+        self.num_encoded = 0
+        self.num_compiled = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.num_encoded += 1
+        return super().encode(text)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        self.num_compiled += 1
+        super().check_constraint(constraint)
+
+
+def _admission(config: GatewayConfig, tokenizer: Tokenizer) -> Admission:
+    metrics = GatewayMetrics(CollectorRegistry())
+    return Admission(config, _Catalog(), _Tokenizers(tokenizer), metrics)  # type: ignore[arg-type]
+
+
+def test_n_choices_are_prepared_once_and_each_takes_its_reservation() -> None:
+    tokenizer = _CountingTokenizer()
+    admission = _admission(GatewayConfig(rate_limit_tpm=100_000), tokenizer)
+    schema = Constraint("json_schema", text='{"type": "object"}')
+    prompt = "Once upon a time " * 1000  # past the small-prompt size: prepared on the pool
+    base = GenerateInput("r", prompt=prompt, max_tokens=8, sampling=Sampling(constraint=schema))
+    inputs = [replace(base, request_id=f"r-{i}") for i in range(4)]
+    admitted = asyncio.run(admission.admit_all(inputs))
+    assert (tokenizer.num_encoded, tokenizer.num_compiled) == (1, 1)
+    num_ids = len(admitted[0].ids)
+    assert [a.reservation.num_tokens for a in admitted] == [num_ids + 8] * 4
+    assert [a.inp.request_id for a in admitted] == ["r-0", "r-1", "r-2", "r-3"]
+
+
+def test_a_refused_preparation_gives_back_its_reservation() -> None:
+    now = [0.0]
+    admission = _admission(GatewayConfig(rate_limit_tpm=1000), _CountingTokenizer())
+    admission.limiter = RateLimiter(0, 1000, clock=lambda: now[0])
+    bad = Constraint("regex", text="(")
+    inp = GenerateInput("r", prompt="hello", max_tokens=8, sampling=Sampling(constraint=bad))
+    with pytest.raises(InvalidInputError, match=r"^regex: "):
+        asyncio.run(admission.admit(inp))
+    admission.limiter.reserve("anonymous", 1000)  # the whole minute is still there
