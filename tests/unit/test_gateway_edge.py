@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from canteen.plan import Constraint, Sampling
+from canteen.v1 import scheduler_pb2
 from gateway.admission import Admission
 from gateway.catalog import ModelVersion
 from gateway.config import GatewayConfig
@@ -21,6 +22,7 @@ from gateway.http import user_label
 from gateway.limits import NeverFitsError, RateLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.prep_pool import PrepBusyError, PrepDeadlineError, PrepPool
+from gateway.service import READY_CACHE_SECONDS, InferenceService
 from gateway.tokenizers import Tokenizer
 from gateway.tools import Function, ToolRequest
 from gateway.validate import GenerateInput, check_shape
@@ -224,3 +226,40 @@ def test_a_refused_preparation_gives_back_its_reservation() -> None:
     with pytest.raises(InvalidInputError, match=r"^regex: "):
         asyncio.run(admission.admit(inp))
     admission.limiter.reserve("anonymous", 1000)  # the whole minute is still there
+
+
+class _Scheduler:
+    """Answers GetStats with one ready worker of ``tiny``, counting the calls."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    async def GetStats(
+        self, request: scheduler_pb2.GetStatsRequest, timeout: float
+    ) -> scheduler_pb2.GetStatsResponse:
+        self.num_calls += 1
+        stats = scheduler_pb2.GetStatsResponse()
+        stats.workers.add(model="tiny", is_ready=True)
+        return stats
+
+
+def test_ready_models_ask_the_scheduler_at_most_once_a_second() -> None:
+    scheduler = _Scheduler()
+    metrics = GatewayMetrics(CollectorRegistry())
+    tokenizers = _Tokenizers(_CountingTokenizer())
+    service = InferenceService(
+        GatewayConfig(),
+        _Catalog(),  # type: ignore[arg-type]
+        tokenizers,  # type: ignore[arg-type]
+        scheduler,  # type: ignore[arg-type]
+        metrics,
+    )
+
+    async def main() -> list[set[str]]:
+        answers = [await service.ready_models() for _ in range(5)]
+        await asyncio.sleep(READY_CACHE_SECONDS + 0.05)
+        answers.append(await service.ready_models())
+        return answers
+
+    assert asyncio.run(main()) == [{"tiny"}] * 6
+    assert scheduler.num_calls == 2
