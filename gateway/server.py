@@ -283,5 +283,5 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 for m in catalog.models()
                 if principal.allows(m.name)
             ],
-            default_model=catalog.default_model,
+            default_model=catalog.default_model if principal.allows(catalog.default_model) else "",
         )
