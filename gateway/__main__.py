@@ -126,6 +126,8 @@ async def serve(config: GatewayConfig, tls: Tls | None) -> None:
         SERVICE_NAME,
         f"{host}:{config.port}",
         config.grace,
+        # The public port takes what the HTTP edge takes (the limit table's one body size).
+        max_message_bytes=config.max_body_bytes,
         credentials=public_credentials(config),
         health_port=config.health_port,
     )
@@ -178,6 +180,7 @@ async def serve(config: GatewayConfig, tls: Tls | None) -> None:
     for task in (watcher, health, preload):
         task.cancel()
     await service.upstream.close()
+    service.admission.pool.close()
     await channel.close()
 
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from canteen.config import option, require
+from canteen.config import check_bounds, option, require
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
+from gateway.edge_limits import EdgeLimits
 
 
 @dataclass(frozen=True)
-class GatewayConfig(InternalLinkOptions):
+class GatewayConfig(InternalLinkOptions, EdgeLimits):
     """Flags and CANTEEN_* variables of ``python -m gateway``."""
 
     host: str = option("", "interface to bind (default 127.0.0.1, or 0.0.0.0 with API keys)")
@@ -19,7 +20,6 @@ class GatewayConfig(InternalLinkOptions):
     metrics_port: int = option(-1, METRICS_PORT_HELP)
     otlp_endpoint: str = option("", OTLP_ENDPOINT_HELP)
     http_port: int = option(8080, "port of the OpenAI-compatible HTTP API (-1: off)")
-    max_body_bytes: int = option(4 * 1024 * 1024, "largest HTTP request body, in bytes")
     scheduler: str = option("127.0.0.1:50052", "scheduler address")
     registry: str = option("127.0.0.1:50053", "registry address")
     api_keys_file: str = option("", "file with one API key per line")
@@ -30,12 +30,6 @@ class GatewayConfig(InternalLinkOptions):
         "need one (give the gateway no scope=write key)",
     )
     admin_keys: str = option("", "comma-separated admin keys (scope write: prefer the file)")
-    max_prompt_chars: int = option(1_000_000, "longest prompt or message list, in characters")
-    max_messages: int = option(256, "most chat messages in one request")
-    max_prompt_tokens: int = option(0, "most prompt tokens in one request (0: the model's context)")
-    max_output_tokens: int = option(0, "largest max_tokens a request may ask for (0: no limit)")
-    max_stop_strings: int = option(16, "most stop strings in one request")
-    max_stop_length: int = option(256, "longest stop string, in characters")
     rate_limit_rpm: int = option(0, "requests per minute per API key (0: unlimited)")
     rate_limit_tpm: int = option(
         0, "tokens per minute per API key, prompt plus max_tokens reserved (0: unlimited)"
@@ -69,6 +63,7 @@ class GatewayConfig(InternalLinkOptions):
     )
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # the limit table's bounds (gateway/edge_limits.py)
         require(0 <= self.port <= 65535, "port", self.port, "must be in 0..65535")
         require(
             -1 <= self.metrics_port <= 65535,
@@ -79,15 +74,8 @@ class GatewayConfig(InternalLinkOptions):
         require(
             -1 <= self.http_port <= 65535, "http_port", self.http_port, "must be in 0..65535 or -1"
         )
-        require(
-            self.max_body_bytes >= 1024, "max_body_bytes", self.max_body_bytes, "must be >= 1024"
-        )
-        for name in ("max_prompt_chars", "max_messages", "max_stop_strings", "max_stop_length"):
-            require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         require(self.grace >= 0, "grace", self.grace, "must be >= 0")
         require(self.scheduler_retry >= 0, "scheduler_retry", self.scheduler_retry, "must be >= 0")
-        for name in ("max_prompt_tokens", "max_output_tokens"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         require(self.rate_limit_rpm >= 0, "rate_limit_rpm", self.rate_limit_rpm, "must be >= 0")
         require(self.rate_limit_tpm >= 0, "rate_limit_tpm", self.rate_limit_tpm, "must be >= 0")
         require(

@@ -7,6 +7,7 @@ import grpc
 from canteen.auth import AuthenticationError, ModelNotAllowedError, PriorityNotAllowedError
 from gateway.catalog import UnknownModelError
 from gateway.limits import NeverFitsError, RateLimitedError
+from gateway.prep_pool import PrepBusyError, PrepDeadlineError
 
 
 class InvalidInputError(ValueError):
@@ -52,8 +53,10 @@ def status_of(exc: BaseException) -> grpc.StatusCode | None:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, (ModelNotAllowedError, PriorityNotAllowedError)):
         return grpc.StatusCode.PERMISSION_DENIED
-    if isinstance(exc, RateLimitedError):
+    if isinstance(exc, (RateLimitedError, PrepBusyError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, PrepDeadlineError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
     if isinstance(exc, AuthenticationError):
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(exc, UpstreamError):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import hashlib
 import json
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -183,17 +184,10 @@ class HttpEdge:
             inputs = [dataclasses.replace(i, traceparent=traceparent) for i in req.inputs]
             req = dataclasses.replace(req, inputs=inputs)
         if req.user:
-            log.info("request user", user=req.user)
+            log.info("request user", user=user_label(req.user))
         # Every check (and the rate limit) passes before any byte is sent, so errors get a
-        # real status code.
-        admitted: list[Admitted] = []
-        try:
-            for inp in req.inputs:
-                admitted.append(await self.service.admit(inp, request["principal"]))
-        except Exception:
-            for a in admitted:
-                a.reservation.settle(0)
-            raise
+        # real status code; the choices share one preparation.
+        admitted = await self.service.admission.admit_all(req.inputs, request["principal"])
         if req.stream:
             return await self._stream(request, req, admitted)
         results = await asyncio.gather(*(self._collect(req, a) for a in admitted))
@@ -218,11 +212,11 @@ class HttpEdge:
     def _token_logprobs(self, req: OpenAIRequest, delta: TextDelta) -> TokenLogprobs | None:
         if not req.logprobs:
             return None
-        texts = self.service.token_texts(delta.model, delta.token_ids)
+        texts = self.service.tokens.token_texts(delta.model, delta.token_ids)
         tops = [
             list(
                 zip(
-                    self.service.token_texts(delta.model, [t for t, _ in top]),
+                    self.service.tokens.token_texts(delta.model, [t for t, _ in top]),
                     [p for _, p in top],
                     strict=True,
                 )
@@ -291,6 +285,7 @@ class HttpEdge:
                 task.cancel()
 
     async def models(self, request: web.Request) -> web.Response:
+        principal = request["principal"]
         ready = await self.service.ready_models()
         data = [
             {
@@ -303,6 +298,7 @@ class HttpEdge:
                 "is_ready": m.name in ready,
             }
             for m in self.service.catalog.models()
+            if principal.allows(m.name)
         ]
         return web.json_response({"object": "list", "data": data})
 
@@ -312,15 +308,20 @@ class HttpEdge:
         prompt, messages = body.get("prompt"), body.get("messages")
         if isinstance(prompt, str):
             check_text(prompt, "prompt")
-        model, ids = await self.service.tokenize(
-            _model(body), prompt, None if messages is None else parse_messages(messages)
+        model, ids = await self.service.tokens.tokenize(
+            _model(body),
+            prompt,
+            None if messages is None else parse_messages(messages),
+            request["principal"],
         )
         return web.json_response({"model": model, "tokens": ids, "count": len(ids)})
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = _object(await self._body(request))
         refuse_unknown("", body, _DETOKENIZE_FIELDS)
-        model, text = await self.service.detokenize(_model(body), body.get("tokens"))
+        model, text = await self.service.tokens.detokenize(
+            _model(body), body.get("tokens"), request["principal"]
+        )
         return web.json_response({"model": model, "prompt": text})
 
     async def healthz(self, request: web.Request) -> web.Response:
@@ -328,6 +329,12 @@ class HttpEdge:
         return web.json_response(
             {"status": "draining" if self.is_draining else "ok"}, status=status
         )
+
+
+def user_label(user: str) -> str:
+    """The OpenAI ``user`` field as logged: a short hash, so it groups one user's requests
+    without writing what the caller sent (it may be an e-mail address, or megabytes)."""
+    return "u-" + hashlib.sha256(user.encode("utf-8", "replace")).hexdigest()[:16]
 
 
 def _object(body: object) -> dict[str, Any]:

@@ -131,6 +131,14 @@ class Reservation:
             self._bucket.level = min(self._bucket.capacity, self._bucket.level + refund)
         return max(refund, 0)
 
+    def resize(self, num_tokens: int) -> None:
+        """Takes ``num_tokens`` in all instead of the estimate taken so far (the bucket may
+        go below zero: the key then waits for the difference)."""
+        if self._bucket is not None and not self.is_settled:
+            self._bucket.refill(self._clock())
+            self._bucket.level -= num_tokens - self.num_tokens
+        self.num_tokens = num_tokens
+
 
 class RateLimiter:
     """Requests-per-minute and tokens-per-minute buckets for each key id."""
@@ -186,6 +194,14 @@ class RateLimiter:
         if token_bucket is not None:
             token_bucket.level -= tokens
         return Reservation(key_id, tokens, token_bucket, self._clock)
+
+    def true_up(self, reservation: Reservation, tokens: int, *, tpm: int | None = None) -> None:
+        """Resizes ``reservation``, taken on an estimate, to the request's real ``tokens``;
+        raises NeverFitsError when they exceed the key's whole tokens-per-minute limit."""
+        tpm = self.tpm if tpm is None else tpm
+        if tpm and tokens > tpm:
+            raise NeverFitsError(reservation.key_id, tokens, tpm)
+        reservation.resize(tokens)
 
     def sweep(self) -> int:
         """Drops the buckets that are full, which behave as new ones; returns how many."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from canteen.metrics import REQUEST_BUCKETS, TOKEN_BUCKETS
+from canteen.tracing import context_from_traceparent, get_tracer
 
 _MODEL = ("model", "version")
+_tracer = get_tracer("canteen.gateway")
 
 
 class GatewayMetrics:
@@ -126,3 +129,14 @@ class RequestTimer:
         self.series.e2e.observe(self.last - self.arrival)
         if self.num_tokens > 1:
             self.series.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
+
+
+def request_span(model_ref: str, num_prompt_tokens: int, traceparent: str, arrival: float) -> Span:
+    """The request's ``gateway.generate`` span, started at its arrival (before tokenizing)
+    and continuing the caller's W3C trace when it sent one."""
+    return _tracer.start_span(
+        "gateway.generate",
+        context=context_from_traceparent(traceparent),
+        start_time=time.time_ns() - int((time.monotonic() - arrival) * 1e9),
+        attributes={"canteen.model": model_ref, "canteen.num_prompt_tokens": num_prompt_tokens},
+    )

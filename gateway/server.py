@@ -144,6 +144,11 @@ async def _abort_known(context: grpc.aio.ServicerContext, exc: Exception) -> Non
     await context.abort(code, str(exc))
 
 
+async def _abort_limited(context: grpc.aio.ServicerContext, exc: RateLimitedError) -> None:
+    context.set_trailing_metadata((("retry-after", f"{exc.retry_after:.3f}"),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+
 def _usage_to_pb(delta: TextDelta) -> common_pb2.Usage | None:
     if delta.usage is None:
         return None
@@ -183,8 +188,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             async for delta in self._service.generate(inp, context.time_remaining(), principal):
                 yield delta
         except RateLimitedError as exc:
-            context.set_trailing_metadata((("retry-after", f"{exc.retry_after:.3f}"),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await _abort_limited(context, exc)
         except Exception as exc:
             await _abort_known(context, exc)
 
@@ -233,14 +237,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Tokenize(
         self, request: inference_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.TokenizeResponse:
-        await self._begin(context)
+        principal = await self._begin(context)
         which = request.WhichOneof("input")
         try:
-            model, ids = await self._service.tokenize(
+            model, ids = await self._service.tokens.tokenize(
                 request.model,
                 request.prompt if which == "prompt" else None,
                 messages_from_pb(request.messages) if which == "messages" else None,
+                principal,
             )
+        except RateLimitedError as exc:
+            await _abort_limited(context, exc)
         except Exception as exc:
             await _abort_known(context, exc)
         return inference_pb2.TokenizeResponse(model=model, token_ids=ids)
@@ -248,9 +255,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Detokenize(
         self, request: inference_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.DetokenizeResponse:
-        await self._begin(context)
+        principal = await self._begin(context)
         try:
-            model, text = await self._service.detokenize(request.model, list(request.token_ids))
+            model, text = await self._service.tokens.detokenize(
+                request.model, list(request.token_ids), principal
+            )
+        except RateLimitedError as exc:
+            await _abort_limited(context, exc)
         except Exception as exc:
             await _abort_known(context, exc)
         return inference_pb2.DetokenizeResponse(model=model, text=text)
@@ -258,7 +269,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
-        await self._begin(context)
+        principal = await self._begin(context)
         catalog = self._service.catalog
         ready = await self._service.ready_models()
         return inference_pb2.ListModelsResponse(
@@ -270,6 +281,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     is_ready=m.name in ready,
                 )
                 for m in catalog.models()
+                if principal.allows(m.name)
             ],
-            default_model=catalog.default_model,
+            default_model=catalog.default_model if principal.allows(catalog.default_model) else "",
         )

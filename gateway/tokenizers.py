@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,11 @@ class Tokenizer:
         self.vocab_size = len(hf)
         self.model_type = model_type
         self._grammar: GrammarCompiler | None = None
+        # Preparation threads share this tokenizer: the grammar cache is not thread-safe.
+        self._grammar_lock = threading.Lock()
+        # A fast tokenizer's Rust core, called directly: encode_batch releases the GIL (so
+        # the event loop runs meanwhile) and sets no truncation state another thread shares.
+        self._rust = hf.backend_tokenizer if isinstance(hf, PreTrainedTokenizerFast) else None
         self.rust_decoder = _plain_rust_tokenizer(hf)  # None: transformers' decode
         # The call format the model's own template teaches; None: the fallback template.
         self.native_tool_format = native_format(model_type, str(hf.chat_template or ""))
@@ -51,18 +57,26 @@ class Tokenizer:
     def check_constraint(self, constraint: Constraint) -> None:
         """Compiles ``constraint`` for this tokenizer (cached by content); raises
         ConstraintError naming what the grammar engine refused."""
-        if self._grammar is None:
-            self._grammar = GrammarCompiler(self.hf)
-        self._grammar.compile(constraint)
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(self.hf)
+            self._grammar.compile(constraint)
 
     def encode(self, text: str) -> list[int]:
         _check_unicode(text, "the text")
+        if self._rust is not None:
+            encoded: list[int] = self._rust.encode_batch([text], add_special_tokens=False)[0].ids
+            return encoded
         ids: list[int] = self.hf(text, add_special_tokens=False)["input_ids"]
         return ids
 
     def render_chat(
         self, messages: list[ChatMessage], tools: ToolRequest | None = None
     ) -> list[int]:
+        """The token ids of ``render_text``."""
+        return self.encode(self.render_text(messages, tools))
+
+    def render_text(self, messages: list[ChatMessage], tools: ToolRequest | None = None) -> str:
         """The prompt of ``messages`` (and the offered ``tools``) with a generation prompt;
         gateway/tool_render.py says how tools reach a template that does not know them."""
         if not getattr(self.hf, "chat_template", None):
@@ -79,7 +93,7 @@ class Tokenizer:
             )
         except Exception as exc:  # jinja raises its own exceptions for bad conversations
             raise TemplateError(f"messages: the chat template rejected them: {exc}") from exc
-        return self.encode(str(text))
+        return str(text)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Called twice per streamed token (gateway/text.py): straight to the Rust
