@@ -40,7 +40,7 @@ from gateway.openai_responses import (
     usage_chunk_json,
     usage_json,
 )
-from gateway.output import TextDelta, Usage, add_choice_usage
+from gateway.output import TextDelta, Usage, request_usage
 from gateway.service import Admitted, InferenceService, choose_request_id
 from gateway.status import status_routes
 
@@ -236,17 +236,18 @@ class HttpEdge:
             }
         )
         await response.prepare(request)
-        usage = Usage()
+        usages: dict[int, Usage] = {}
         model = ""
         try:
             async for index, delta, first in self._merged(admitted):
                 model = delta.model
                 lp = self._token_logprobs(req, delta)
                 if delta.usage is not None:
-                    usage = add_choice_usage(usage, delta.usage)
+                    usages[index] = delta.usage
                 for chunk in chunks_json(req, index, delta, lp, first):
                     await _send(response, chunk)
             if req.include_usage:
+                usage = request_usage([usages[i] for i in sorted(usages)])
                 await _send(response, usage_chunk_json(req, model, usage_json(usage)))
         except UpstreamError as exc:
             _, body = error_body(exc.code, str(exc))

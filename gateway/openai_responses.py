@@ -11,7 +11,7 @@ from typing import Any
 from canteen.finish import Finish, openai_finish
 from gateway.openai_api import OpenAIRequest
 from gateway.openai_tools import tool_call_chunks, tool_calls_json
-from gateway.output import TextDelta, Usage
+from gateway.output import TextDelta, Usage, request_usage
 from gateway.tools import ToolCall
 
 
@@ -133,13 +133,7 @@ def response_json(req: OpenAIRequest, results: list[ChoiceResult]) -> dict[str, 
         "created": req.created,
         "model": results[0].model,
         "choices": choices,
-        "usage": usage_json(
-            Usage(
-                results[0].usage.prompt_tokens,
-                sum(r.usage.completion_tokens for r in results),
-                results[0].usage.cached_tokens,
-            )
-        ),
+        "usage": usage_json(request_usage([r.usage for r in results])),
     }
 
 

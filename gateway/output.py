@@ -5,7 +5,7 @@ request's usage. ``Output`` is the one place usage is decided in the gateway.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from canteen.finish import Finish, finish_from_pb
@@ -27,13 +27,15 @@ class Usage:
     cached_tokens: int = 0
 
 
-def add_choice_usage(total: Usage, choice: Usage) -> Usage:
-    """``total`` with one more finished choice of the same prompt: completion tokens add
-    up; prompt and cached tokens are that choice's."""
+def request_usage(choices: Sequence[Usage]) -> Usage:
+    """One request's usage over its choices, in choice order: completion tokens add up;
+    prompt and cached tokens are choice 0's (every choice has the same prompt). Streamed
+    and whole answers both report this, whatever order the choices finished in."""
+    if not choices:
+        return Usage()
+    first = choices[0]
     return Usage(
-        choice.prompt_tokens,
-        total.completion_tokens + choice.completion_tokens,
-        choice.cached_tokens,
+        first.prompt_tokens, sum(c.completion_tokens for c in choices), first.cached_tokens
     )
 
 
