@@ -28,6 +28,7 @@ from canteen.plan import (
     StepResult,
 )
 from tests.support import reference
+from worker.config import WorkerConfig
 from worker.engine.constrain import GrammarOptions
 from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.model.loader import LoadedModel, load_model
@@ -252,3 +253,22 @@ def _masked_greedy(loaded: LoadedModel, path: Path, steps: int) -> list[int]:
         ids.append(token)
         out.append(token)
     return out
+
+
+def test_the_worker_flags_default_to_llguidances_limits_and_are_bounded() -> None:
+    default = llguidance.LLParserLimits()
+    limits = WorkerConfig().grammar.limits()
+    for name in (
+        "initial_lexer_fuel",
+        "step_lexer_fuel",
+        "step_max_items",
+        "max_lexer_states",
+        "max_grammar_size",
+    ):
+        assert getattr(limits, name) == getattr(default, name), name
+    with pytest.raises(ValueError) as timeout:
+        WorkerConfig(grammar_compile_timeout=0)
+    assert str(timeout.value) == "grammar_compile_timeout=0: must be in 0.01..600"
+    with pytest.raises(ValueError) as threads:
+        WorkerConfig(grammar_compile_threads=0)
+    assert str(threads.value) == "grammar_compile_threads=0: must be in 1..32"

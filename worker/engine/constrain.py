@@ -240,6 +240,11 @@ class Constraints:
         blocked = torch.from_numpy(~np.stack(picked)).to(logits.device)
         logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
 
+    def finish(self, masks: StepMasks | None) -> None:
+        """Waits for the step's early fill, if any, however the step ended."""
+        if masks is not None and masks.early is not None:
+            concurrent.futures.wait([masks.early])
+
     def advance(self, seq_id: str, token: int) -> None:
         matcher = self._matchers.get(seq_id)
         if matcher is not None:

@@ -146,8 +146,7 @@ class ModelRunner:
             num_drafts = sum(proposed.values())
             tokens = self._sample_and_advance(plan, logits, sample_rows, masks, failed)
         finally:
-            if masks is not None:
-                masks.wait()  # no fill outlives its step
+            self.constraints.finish(masks)  # no fill outlives its step
         done = time.perf_counter_ns()
         return StepResult(
             step_id=plan.step_id,
@@ -218,8 +217,7 @@ class ModelRunner:
             )
         keys = self.ledger.check_new(new)
         if new.sampling.constraint is not None:
-            # compiles off this thread; tokens past the prompt were generated before a
-            # resume: the grammar saw them
+            # tokens past the prompt were generated before a resume: the grammar saw them
             generated = new.token_ids[new.num_prompt_tokens :] if new.num_prompt_tokens else ()
             self.constraints.add(new.seq_id, new.sampling.constraint, generated)
         self.ledger.hold(new.block_ids)
