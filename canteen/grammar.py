@@ -3,20 +3,25 @@
 The gateway compiles a request's constraint with the model's tokenizer before any token is
 made, so a bad schema or grammar is refused with the engine's reason; the worker compiles the
 same constraint again to build a matcher per sequence. Both keep the compiled grammar in an
-LRU keyed by the constraint itself, so a schema seen before costs a dictionary lookup.
-No torch here: the gateway imports it.
+LRU keyed by the constraint itself, so a schema seen before costs a dictionary lookup; the
+worker also keeps a matcher built once per constraint and hands each sequence a copy of it.
+Compiles run under the engine's resource limits (``LLParserLimits``) when given, and may run
+on several threads at once. No torch here: the gateway imports it.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, TypeVar
 
 import llguidance
 import llguidance.hf
 
 from canteen.plan import Constraint
+
+T = TypeVar("T")
 
 CACHE_SIZE = 512
 MAX_ERROR_CHARS = 600
@@ -53,43 +58,75 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer; thread-safe enough for one event loop."""
+    """Compiles constraints for one tokenizer; safe to call from several threads."""
 
     def __init__(
-        self, hf_tokenizer: Any, vocab_size: int | None = None, eos_ids: list[int] | None = None
+        self,
+        hf_tokenizer: Any,
+        vocab_size: int | None = None,
+        eos_ids: list[int] | None = None,
+        limits: llguidance.LLParserLimits | None = None,
     ) -> None:
+        """``limits``: the engine's bounds on a grammar's size and compile work (its
+        defaults when None)."""
         self.tokenizer = llguidance.hf.from_tokenizer(
             hf_tokenizer, n_vocab=vocab_size, eos_token=eos_ids or None
         )
+        self.limits = limits
+        self._lock = threading.Lock()
         self._cache: OrderedDict[Constraint, str | ConstraintError] = OrderedDict()
+        # one matcher per constraint at its grammar's start, never advanced: copied per use
+        self._starts: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
 
     def compile(self, constraint: Constraint) -> str:
         """The checked grammar of ``constraint``; raises ConstraintError with the reason."""
-        found = self._cache.get(constraint)
-        if found is None:
+        with self._lock:
+            found = _lookup(self._cache, constraint)
+        if found is None:  # compiled outside the lock: other constraints need not wait
             found = self._check(constraint)
-            self._cache[constraint] = found
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(constraint)
+            with self._lock:
+                _store(self._cache, constraint, found)
         if isinstance(found, ConstraintError):
             raise found
         return found
 
     def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher at the start of ``constraint``'s grammar."""
-        return llguidance.LLMatcher(self.tokenizer, self.compile(constraint), log_level=0)
+        with self._lock:
+            start = _lookup(self._starts, constraint)
+            if start is not None:
+                return start.deep_copy()
+        grammar = self.compile(constraint)
+        start = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        if start.is_error():
+            raise ConstraintError(f"{constraint.kind}: {_short(start.get_error())}")
+        with self._lock:
+            _store(self._starts, constraint, start)
+            return start.deep_copy()
 
     def _check(self, constraint: Constraint) -> str | ConstraintError:
         try:
             grammar = grammar_text(constraint)
         except ConstraintError as exc:
             return exc
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=self.limits)
         if error:
             return ConstraintError(f"{constraint.kind}: {_short(error)}")
         return grammar
+
+
+def _lookup(cache: OrderedDict[Constraint, T], constraint: Constraint) -> T | None:
+    found = cache.get(constraint)
+    if found is not None:
+        cache.move_to_end(constraint)
+    return found
+
+
+def _store(cache: OrderedDict[Constraint, T], constraint: Constraint, value: T) -> None:
+    cache[constraint] = value
+    cache.move_to_end(constraint)
+    if len(cache) > CACHE_SIZE:
+        cache.popitem(last=False)
 
 
 def _short(message: str) -> str:

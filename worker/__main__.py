@@ -132,7 +132,13 @@ def build_runner(
     bs = config.block_size
     # On CUDA the scratch runner captures the decode graphs too: their memory is in the peak.
     scratch_blocks = (step_tokens + 1 + bs - 1) // bs
-    shape = RunnerConfig(scratch_blocks, bs, config.max_batched_tokens, graphs=config.graph_sizes)
+    shape = RunnerConfig(
+        scratch_blocks,
+        bs,
+        config.max_batched_tokens,
+        graphs=config.graph_sizes,
+        grammar=config.grammar,
+    )
     scratch = ModelRunner(loaded, shape)
     warm_up(scratch, step_tokens)
     del scratch

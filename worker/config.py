@@ -21,6 +21,7 @@ from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
 from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
+from worker.engine.constrain import GrammarOptions
 from worker.engine.graphs import GraphSizes
 from worker.speculation.speculate import SPECULATIVE_KINDS
 
@@ -107,6 +108,46 @@ class WorkerConfig(InternalLinkOptions):
         2048, "the longest context (tokens) a graphed decode step attends over", within(1, 131072)
     )
     threads: int = option(0, "torch CPU threads (0: torch's default)", at_least(0))
+    grammar_compile_timeout: float = option(
+        5.0,
+        "seconds a constrained request's grammar may take to compile from its arrival; one "
+        "that misses it fails that request alone (other sequences keep running meanwhile)",
+        within(0.01, 600),
+    )
+    grammar_compile_threads: int = option(
+        2, "threads that compile grammars, off the step thread", within(1, 32)
+    )
+    grammar_mask_threads: int = option(
+        0,
+        "threads that fill a step's token masks in parallel with the forward (0: llguidance's "
+        "default: most of the CPUs, up to 32)",
+        within(0, 64),
+    )
+    grammar_lexer_fuel: int = option(
+        1_000_000,
+        "work one grammar's lexer may take to build (llguidance's initial_lexer_fuel)",
+        within(1_000, 10**10),
+    )
+    grammar_step_lexer_fuel: int = option(
+        200_000,
+        "lexer work one token's mask may take (llguidance's step_lexer_fuel)",
+        within(1_000, 10**9),
+    )
+    grammar_step_max_items: int = option(
+        50_000,
+        "parser items one token's mask may make (llguidance's step_max_items)",
+        within(100, 10**8),
+    )
+    grammar_max_lexer_states: int = option(
+        250_000,
+        "lexer states one grammar may build (llguidance's max_lexer_states)",
+        within(100, 10**8),
+    )
+    grammar_max_size: int = option(
+        500_000,
+        "symbols one grammar may have (llguidance's max_grammar_size)",
+        within(100, 10**9),
+    )
     worker_id: str = option("", "worker id (default: generated)")
     grace: float = option(30.0, "seconds running sequences get to finish on SIGTERM", at_least(0))
     verify_checksum: bool = option(True, "check the weights' sha256 against the registry")
@@ -139,6 +180,19 @@ class WorkerConfig(InternalLinkOptions):
         if not self.cuda_graph_max_batch:
             return None
         return GraphSizes(self.cuda_graph_max_batch, self.cuda_graph_max_context)
+
+    @property
+    def grammar(self) -> GrammarOptions:
+        return GrammarOptions(
+            compile_timeout=self.grammar_compile_timeout,
+            num_compile_threads=self.grammar_compile_threads,
+            num_mask_threads=self.grammar_mask_threads,
+            lexer_fuel=self.grammar_lexer_fuel,
+            step_lexer_fuel=self.grammar_step_lexer_fuel,
+            step_max_items=self.grammar_step_max_items,
+            max_lexer_states=self.grammar_max_lexer_states,
+            max_grammar_size=self.grammar_max_size,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -23,7 +23,7 @@ from canteen.plan import (
 )
 from worker.attention.batch import BatchBuilder, Row, new_kv_pool
 from worker.attention.interface import PagedBatch
-from worker.engine.constrain import Constraints, load_tokenizer
+from worker.engine.constrain import Constraints, GrammarOptions, StepMasks, load_tokenizer
 from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
 from worker.engine.guard import BlockLedger, EntryError
 from worker.engine.sampler import sample
@@ -61,6 +61,8 @@ class RunnerConfig:
     graphs: GraphSizes | None = DEFAULT_GRAPHS
     """Which decode steps replay CUDA graphs (worker/engine/graphs.py); used on CUDA with Canteen's
     forward, or anywhere with ``eager=True``; None: none."""
+    grammar: GrammarOptions = field(default_factory=GrammarOptions)
+    """How constraints compile (threads, deadline, limits) and their masks fill."""
 
 
 class ModelRunner:
@@ -85,7 +87,10 @@ class ModelRunner:
         self.max_model_len = loaded.max_model_len
         self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
         self.constraints = Constraints(
-            lambda: load_tokenizer(loaded.path, loaded.fmt), self.vocab_size, loaded.eos_token_ids
+            lambda: load_tokenizer(loaded.path, loaded.fmt),
+            self.vocab_size,
+            loaded.eos_token_ids,
+            config.grammar,
         )
         # A decode group gathers at most what the warm-up's decode did (one sequence after a
         # max_batched_tokens prefill), so the warm-up's peak bounds every later step's memory.
@@ -127,16 +132,21 @@ class ModelRunner:
                 failed=tuple(failed),
                 total_ns=time.perf_counter_ns() - started,
             )
-        forward_start = time.perf_counter_ns()
-        logits, sample_rows = self._forward(plan)
-        sample_start = time.perf_counter_ns()
-        proposed = {
-            s.seq_id: len(self.sequences[s.seq_id].drafts)
-            for s in plan.scheduled
-            if s.num_draft_tokens
-        }
-        num_drafts = sum(proposed.values())
-        tokens = self._sample_and_advance(plan, logits, sample_rows)
+        # the masks of the rows this step samples fill while the forward runs
+        masks = self.constraints.begin([i.seq_id for i in plan.scheduled if self._samples(i)])
+        try:
+            forward_start = time.perf_counter_ns()
+            logits, sample_rows = self._forward(plan)
+            sample_start = time.perf_counter_ns()
+            proposed = {
+                s.seq_id: len(self.sequences[s.seq_id].drafts)
+                for s in plan.scheduled
+                if s.num_draft_tokens
+            }
+            num_drafts = sum(proposed.values())
+            tokens = self._sample_and_advance(plan, logits, sample_rows, masks, failed)
+        finally:
+            self.constraints.finish(masks)  # no fill outlives its step
         done = time.perf_counter_ns()
         return StepResult(
             step_id=plan.step_id,
@@ -178,6 +188,10 @@ class ModelRunner:
                 self._schedule(item)
             except EntryError as exc:
                 failed[item.seq_id] = str(exc)
+                self._drop(item.seq_id)
+                continue
+            if (error := self.constraints.failure(item.seq_id)) is not None:
+                failed[item.seq_id] = error  # its grammar failed already: spare the forward
                 self._drop(item.seq_id)
                 continue
             runnable.append(item)
@@ -310,9 +324,21 @@ class ModelRunner:
             min(item.num_draft_tokens, spec.num_tokens, room, self.max_model_len - end - 1), 0
         )
 
+    def _samples(self, item: ScheduledSequence) -> bool:
+        """Whether ``item`` computes its sequence's last token this step (and so samples)."""
+        seq = self.sequences[item.seq_id]
+        return seq.num_computed + item.num_tokens == len(seq.tokens)
+
     def _sample_and_advance(
-        self, plan: StepPlan, logits: torch.Tensor, sample_rows: list[int]
+        self,
+        plan: StepPlan,
+        logits: torch.Tensor,
+        sample_rows: list[int],
+        masks: StepMasks | None,
+        failed: list[FailedSequence],
     ) -> list[SampledToken]:
+        """Samples and appends the step's tokens; a sequence whose grammar is not ready by
+        its deadline goes to ``failed`` instead, and the other rows sample as they would."""
         sampling_seqs: list[SequenceState] = []
         for item in plan.scheduled:
             seq = self.sequences[item.seq_id]
@@ -320,16 +346,18 @@ class ModelRunner:
             self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed)
             if seq.num_computed == len(seq.tokens):
                 sampling_seqs.append(seq)
-        if not sampling_seqs:
-            return []
         # one row per sampled position: a sequence's last token, then each of its drafts
         per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
         rows = logits[: len(per_row)]  # the sampler ranks bfloat16 logits in float32
+        if masks is not None:
+            rows, sampling_seqs, per_row = self._settle(rows, sampling_seqs, per_row, failed)
+        if not sampling_seqs:
+            return []
         seq_ids = [s.seq_id for s, _ in per_row]
-        if self.constraints.has_any(seq_ids):
+        if masks is not None:
             rows = rows.float()  # masked in place: a copy in bfloat16, the same tensor in float32
             with torch.inference_mode():  # the logits are inference tensors
-                self.constraints.mask(rows, seq_ids)
+                self.constraints.mask(rows, seq_ids, masks)
         token_ids, logprobs, tops = sample(
             rows, [s.sampling for s, _ in per_row], [len(s.tokens) + i for s, i in per_row]
         )
@@ -350,3 +378,23 @@ class ModelRunner:
             seq.drafts = []
             row += n
         return out
+
+    def _settle(
+        self,
+        rows: torch.Tensor,
+        seqs: list[SequenceState],
+        per_row: list[tuple[SequenceState, int]],
+        failed: list[FailedSequence],
+    ) -> tuple[torch.Tensor, list[SequenceState], list[tuple[SequenceState, int]]]:
+        """Waits for the matchers of the constrained ``seqs`` (each up to its deadline);
+        drops the sequences whose grammar failed, with their logit rows."""
+        errors = {s.seq_id: e for s in seqs if (e := self.constraints.settle(s.seq_id))}
+        if not errors:
+            return rows, seqs, per_row
+        for seq_id, error in errors.items():
+            failed.append(FailedSequence(seq_id, error))
+            self._drop(seq_id)
+        keep = [r for r, (s, _) in enumerate(per_row) if s.seq_id not in errors]
+        with torch.inference_mode():
+            kept_rows = rows[torch.tensor(keep, dtype=torch.long, device=rows.device)]
+        return kept_rows, [s for s in seqs if s.seq_id not in errors], [per_row[r] for r in keep]
