@@ -17,10 +17,11 @@ import grpc
 from opentelemetry.trace import Span
 
 from canteen.auth import ANONYMOUS, Principal
-from canteen.codec import sampling_to_pb
+from canteen.codec import request_to_pb
 from canteen.grammar import ConstraintError
 from canteen.logging import get_logger
 from canteen.plan import Sampling
+from canteen.request import Request
 from canteen.tracing import context_from_traceparent, get_tracer, trace_id_of, trace_metadata
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from gateway.catalog import ModelCatalog, ModelVersion
@@ -320,18 +321,20 @@ class InferenceService:
         self, admitted: Admitted, timeout: float | None, span: Span
     ) -> AsyncIterator[TextDelta]:
         inp, model, ids = admitted.inp, admitted.model, admitted.ids
-        request = scheduler_pb2.ScheduleRequest(
-            request_id=inp.request_id,
-            model=model.name,
-            version=model.version,
-            prompt_token_ids=ids,
-            max_tokens=admitted.max_tokens,
-            sampling=sampling_to_pb(inp.sampling),
-            stop_token_ids=inp.stop_token_ids,
-            ignore_eos=inp.ignore_eos,
-            priority=inp.priority,
-            cache_salt=admitted.cache_salt,
-            disable_speculation=inp.disable_speculation,
+        request = request_to_pb(
+            Request(
+                request_id=inp.request_id,
+                model=model.name,
+                version=model.version,
+                prompt_token_ids=tuple(ids),
+                stop_token_ids=tuple(inp.stop_token_ids),
+                max_tokens=admitted.max_tokens,
+                sampling=inp.sampling,
+                ignore_eos=inp.ignore_eos,
+                priority=inp.priority,
+                cache_salt=admitted.cache_salt,
+                disable_speculation=inp.disable_speculation,
+            )
         )
         log.info(
             "request accepted",
