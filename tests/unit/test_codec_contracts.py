@@ -5,9 +5,10 @@ a field added to both sides travels with no codec change."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
+from google.protobuf.message import Message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -179,3 +180,40 @@ def test_a_message_field_left_out_is_an_error_not_a_silent_drop() -> None:
         to_pb(new, worker_pb2.NewSequence)
     with pytest.raises(TypeError, match="field 'sampling' holds messages"):
         from_pb(worker_pb2.NewSequence(seq_id="s"), NewSequence)
+
+
+# Each contract's fields that are not on both sides by name, and so are converted by hand
+# (or, for the scheduler's subscription fields, read in scheduler/server.py).
+TIMINGS = {"forward_ns", "sample_ns", "total_ns"}
+ONE_SIDED = [
+    (Sampling, common_pb2.SamplingParams, set(), set()),
+    (StepPlan, worker_pb2.StepPlan, set(), set()),
+    (NewSequence, worker_pb2.NewSequence, set(), set()),
+    (ScheduledSequence, worker_pb2.ScheduledSequence, set(), set()),
+    (domain.SampledToken, worker_pb2.SampledToken, set(), set()),
+    (domain.FailedSequence, worker_pb2.SequenceFailure, set(), set()),
+    (
+        domain.StepResult,
+        worker_pb2.StepResult,
+        {"forward_ns", "sample_ns", "total_ns"},
+        {"timings"},
+    ),
+    (Request, scheduler_pb2.ScheduleRequest, {"deadline"}, {"subscription_id", "stream_tag"}),
+    (Usage, common_pb2.Usage, set(), set()),
+    (
+        SeqEvent,
+        scheduler_pb2.ScheduleResponse,
+        {"seq_id", "finish", "error", "is_refused"},
+        {"finish_reason", "stream_tag"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("cls", "message", "only_domain", "only_pb"), ONE_SIDED)
+def test_a_field_on_one_side_only_is_a_known_one(
+    cls: type, message: type[Message], only_domain: set[str], only_pb: set[str]
+) -> None:
+    """A field added to one side and not the other fails here, not silently on the wire."""
+    names = {f.name for f in fields(cls)}
+    wire = set(message.DESCRIPTOR.fields_by_name)
+    assert (names - wire, wire - names) == (only_domain, only_pb)
