@@ -41,30 +41,34 @@ def shared(cls: type, descriptor: Any) -> tuple[tuple[str, str], ...]:
     return tuple((f.name, _kind(f)) for f in descriptor.fields if f.name in names)
 
 
-def _plain(cls: type, descriptor: Any, explicit: dict[str, Any]) -> list[tuple[str, str]]:
-    """The shared fields to copy: those not in ``explicit``, which must hold every message."""
+@cache
+def _copied(cls: type, descriptor: Any, given: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    """(name, how to make the domain value) of the shared fields to copy: those not
+    ``given`` explicitly, which must hold every message-valued one. Cached: it runs for
+    every message of every step."""
     pairs = shared(cls, descriptor)
-    missing = [name for name, kind in pairs if kind == "message" and name not in explicit]
+    missing = [name for name, kind in pairs if kind == "message" and name not in given]
     if missing:
         raise TypeError(
             f"{cls.__name__} <-> {descriptor.name}: field {missing[0]!r} holds messages "
             "and must be converted explicitly"
         )
-    return [(name, kind) for name, kind in pairs if name not in explicit]
+    convert = {"repeated": tuple, "map": dict, "scalar": None}
+    return tuple((name, convert[kind]) for name, kind in pairs if name not in given)
 
 
 def to_pb(value: DataclassInstance, message: type[M], **explicit: Any) -> M:
     """``message`` with every shared field copied from ``value``; ``explicit`` gives the
     fields that differ (nested messages, other names) and overrides a shared one."""
-    copied = _plain(type(value), message.DESCRIPTOR, explicit)
-    return message(**{name: getattr(value, name) for name, _ in copied}, **explicit)
+    for name, _ in _copied(type(value), message.DESCRIPTOR, tuple(explicit)):
+        explicit[name] = getattr(value, name)
+    return message(**explicit)
 
 
 def from_pb(msg: Message, cls: type[D], **explicit: Any) -> D:
     """``cls`` built from the shared fields of ``msg`` (repeated fields as tuples, maps as
     dicts) and ``explicit``; a field of ``cls`` in neither takes its default."""
-    kwargs: dict[str, Any] = {}
-    for name, kind in _plain(cls, msg.DESCRIPTOR, explicit):
+    for name, convert in _copied(cls, msg.DESCRIPTOR, tuple(explicit)):
         raw = getattr(msg, name)
-        kwargs[name] = tuple(raw) if kind == "repeated" else dict(raw) if kind == "map" else raw
-    return cls(**kwargs, **explicit)
+        explicit[name] = raw if convert is None else convert(raw)
+    return cls(**explicit)
