@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 
 class Event(Protocol):
-    """What a scheduler event (``scheduler.sequence.SeqEvent``, a dataclass) offers here;
-    its token ids and logprobs travel by name."""
+    """What the codec reads of a scheduler event (``scheduler.sequence.SeqEvent``, a
+    dataclass; canteen/ does not import scheduler/). Its token ids and logprobs travel by
+    name."""
 
     __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
 
