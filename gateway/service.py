@@ -15,8 +15,9 @@ import grpc
 from opentelemetry.trace import Span
 
 from canteen.auth import ANONYMOUS, Principal
-from canteen.codec import sampling_to_pb
+from canteen.codec import request_to_pb
 from canteen.logging import get_logger
+from canteen.request import Request
 from canteen.tracing import trace_id_of, trace_metadata
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from gateway.admission import UNSET_MAX_TOKENS_RESERVE, Admission, Admitted
@@ -48,18 +49,20 @@ READY_CACHE_SECONDS = 1.0  # how long /v1/models and ListModels reuse the schedu
 def schedule_request(admitted: Admitted) -> scheduler_pb2.ScheduleRequest:
     """What the scheduler is asked to run for an admitted request."""
     inp, model = admitted.inp, admitted.model
-    return scheduler_pb2.ScheduleRequest(
-        request_id=inp.request_id,
-        model=model.name,
-        version=model.version,
-        prompt_token_ids=admitted.ids,
-        max_tokens=admitted.max_tokens,
-        sampling=sampling_to_pb(inp.sampling),
-        stop_token_ids=inp.stop_token_ids,
-        ignore_eos=inp.ignore_eos,
-        priority=inp.priority,
-        cache_salt=admitted.cache_salt,
-        disable_speculation=inp.disable_speculation,
+    return request_to_pb(
+        Request(
+            request_id=inp.request_id,
+            model=model.name,
+            version=model.version,
+            prompt_token_ids=tuple(admitted.ids),
+            stop_token_ids=tuple(inp.stop_token_ids),
+            max_tokens=admitted.max_tokens,
+            sampling=inp.sampling,
+            ignore_eos=inp.ignore_eos,
+            priority=inp.priority,
+            cache_salt=admitted.cache_salt,
+            disable_speculation=inp.disable_speculation,
+        )
     )
 
 

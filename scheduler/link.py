@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 
 from canteen.batching import DEFAULT, BatchConfig
+from canteen.codec import plan_to_pb, result_from_pb
 from canteen.finish import Finish
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
@@ -25,7 +26,6 @@ from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
 from scheduler.sequence import Sequence
 from scheduler.subscriptions import EventSink
-from scheduler.wire import plan_to_pb, result_from_pb
 
 log = get_logger(__name__)
 

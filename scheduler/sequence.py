@@ -101,14 +101,14 @@ class Sequence:
         """The sequence as a worker that does not hold it yet receives it (DESIGN: a new
         sequence is sent once, its tokens, sampling, blocks and cached prefix)."""
         return NewSequence(
-            self.seq_id,
-            tuple(self.tokens),
-            self.sampling,
-            tuple(self.block_ids),
-            self.num_computed,
-            self.traceparent,
-            self.request_id,
-            len(self.prompt_ids),
+            seq_id=self.seq_id,
+            token_ids=tuple(self.tokens),
+            sampling=self.sampling,
+            block_ids=tuple(self.block_ids),
+            num_cached_tokens=self.num_computed,
+            traceparent=self.traceparent,
+            request_id=self.request_id,
+            num_prompt_tokens=len(self.prompt_ids),
         )
 
 

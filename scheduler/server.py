@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
-from canteen.codec import sampling_from_pb
-from canteen.finish import Finish, finish_to_pb
+from canteen.codec import request_from_pb, response_to_pb
+from canteen.finish import Finish
 from canteen.tracing import context_from_metadata
-from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from scheduler.sequence import SeqEvent
+from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.service import (
-    GenerateParams,
     InvalidRequestError,
     NoWorkerError,
     QueueFullError,
@@ -31,48 +28,6 @@ _ERRORS = {
 }
 
 
-def params_from_pb(
-    msg: scheduler_pb2.ScheduleRequest, time_remaining: float | None = None
-) -> GenerateParams:
-    return GenerateParams(
-        request_id=msg.request_id,
-        model=msg.model,
-        version=msg.version,
-        prompt_ids=list(msg.prompt_token_ids),
-        max_tokens=msg.max_tokens,
-        sampling=sampling_from_pb(msg.sampling),
-        stop_token_ids=frozenset(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        priority=msg.priority,
-        cache_salt=msg.cache_salt,
-        disable_speculation=msg.disable_speculation,
-        deadline=time.monotonic() + time_remaining if time_remaining is not None else None,
-    )
-
-
-def response_of(
-    event: SeqEvent, is_first: bool, stream_tag: int = 0
-) -> scheduler_pb2.ScheduleResponse:
-    response = scheduler_pb2.ScheduleResponse(
-        token_ids=event.token_ids, logprobs=event.logprobs, stream_tag=stream_tag
-    )
-    for top in event.top_logprobs:
-        response.top_logprobs.add(token_ids=[i for i, _ in top], logprobs=[lp for _, lp in top])
-    if is_first and event.queue_seconds is not None:
-        response.queue_seconds = event.queue_seconds
-    if event.finish is not None:
-        response.finish_reason = finish_to_pb(event.finish)
-        usage = event.usage
-        response.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=usage.prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-                cached_tokens=usage.cached_tokens,
-            )
-        )
-    return response
-
-
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, service: SchedulerService) -> None:
         self._service = service
@@ -81,7 +36,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
         structlog.contextvars.bind_contextvars(request_id=request.request_id)
-        params = params_from_pb(request, context.time_remaining())
+        params = request_from_pb(request, context.time_remaining())
         try:
             feed = self._feed(request, context.peer())
             trace_context = context_from_metadata(context.invocation_metadata())
@@ -98,7 +53,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 return
             is_first = True
             async for event in events:
-                yield response_of(event, is_first)
+                yield response_to_pb(event, is_first)
                 is_first = False
         except SubscriptionError as exc:
             await context.abort(
@@ -130,7 +85,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             while True:
                 batch = await subscription.next_batch()
                 yield scheduler_pb2.ScheduleBatch(
-                    responses=[response_of(event, first, tag) for tag, event, first in batch]
+                    responses=[response_to_pb(event, first, tag) for tag, event, first in batch]
                 )
         finally:
             self._service.subscriptions.close(subscription)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from opentelemetry.context import Context
 
 from canteen.finish import Finish
 from canteen.logging import get_logger
-from canteen.plan import MAX_PRIORITY, MIN_PRIORITY, Sampling
+from canteen.plan import MAX_PRIORITY, MIN_PRIORITY
+from canteen.request import Request
 from canteen.tracing import get_tracer, traceparent_of
 from scheduler.link import WorkerLink
 from scheduler.metrics import SchedulerMetrics
@@ -42,22 +42,6 @@ class SequenceRefusedError(Exception):
     """A worker refused the request's plan entry: an invariant broke; it failed alone."""
 
 
-@dataclass(frozen=True)
-class GenerateParams:
-    request_id: str
-    model: str
-    version: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: Sampling
-    stop_token_ids: frozenset[int]
-    ignore_eos: bool
-    priority: int
-    deadline: float | None = None  # monotonic time the caller stops waiting
-    cache_salt: str = ""  # prefix-cache tenant (the gateway's --cache-isolation key)
-    disable_speculation: bool = False
-
-
 class SchedulerService:
     def __init__(
         self, pool: WorkerPool, max_queue: int, metrics: SchedulerMetrics | None = None
@@ -67,18 +51,18 @@ class SchedulerService:
         self.metrics = metrics
         self.subscriptions = Subscriptions()
 
-    def _admit(self, params: GenerateParams, traceparent: str) -> tuple[WorkerLink, Sequence]:
+    def _admit(self, params: Request, traceparent: str) -> tuple[WorkerLink, Sequence]:
         """Picks a worker and checks the request against it; raises what the caller sees."""
         _validate_shape(params)
         candidates = self.pool.serving(params.model, params.version)
         if not candidates:
             wanted = f"{params.model}:{params.version}" if params.version else params.model
             raise NoWorkerError(f"no ready worker serves model {wanted!r}")
-        total = len(params.prompt_ids) + params.max_tokens
+        total = len(params.prompt_token_ids) + params.max_tokens
         fitting = [link for link in candidates if fits(link, total)]
         if not fitting:
             raise InvalidRequestError(_never_fits(params, max(candidates, key=_capacity)))
-        link = self.pool.pick(fitting, params.prompt_ids, params.cache_salt)
+        link = self.pool.pick(fitting, list(params.prompt_token_ids), params.cache_salt)
         desc = link.desc
         _check_vocab(params, desc.vocab_size)
         if self.pool.num_waiting >= self.max_queue:
@@ -91,7 +75,7 @@ class SchedulerService:
             stop_ids |= desc.eos_token_ids
         seq = Sequence(
             request_id=params.request_id,
-            prompt_ids=list(params.prompt_ids),
+            prompt_ids=list(params.prompt_token_ids),
             max_tokens=params.max_tokens,
             sampling=params.sampling,
             stop_token_ids=frozenset(stop_ids),
@@ -106,7 +90,7 @@ class SchedulerService:
 
     async def generate(
         self,
-        params: GenerateParams,
+        params: Request,
         trace_context: Context | None = None,
         feed: tuple[Subscription, int] | None = None,
     ) -> AsyncIterator[SeqEvent]:
@@ -129,7 +113,7 @@ class SchedulerService:
             "request queued",
             request_id=params.request_id,
             worker_id=link.desc.worker_id,
-            num_prompt_tokens=len(params.prompt_ids),
+            num_prompt_tokens=len(params.prompt_token_ids),
             max_tokens=params.max_tokens,
         )
         try:
@@ -197,13 +181,13 @@ def _capacity(link: WorkerLink) -> tuple[int, int]:
     ), link.desc.num_blocks
 
 
-def _never_fits(params: GenerateParams, link: WorkerLink) -> str:
+def _never_fits(params: Request, link: WorkerLink) -> str:
     """Why the request fits no worker, told with the largest worker's numbers."""
     desc = link.desc
-    total = len(params.prompt_ids) + params.max_tokens
+    total = len(params.prompt_token_ids) + params.max_tokens
     if total > desc.max_model_len:
         return (
-            f"prompt ({len(params.prompt_ids)} tokens) + max_tokens ({params.max_tokens}) "
+            f"prompt ({len(params.prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) "
             f"= {total} exceeds the model's context of {desc.max_model_len} tokens"
         )
     return (
@@ -212,12 +196,12 @@ def _never_fits(params: GenerateParams, link: WorkerLink) -> str:
     )
 
 
-def _validate_shape(params: GenerateParams) -> None:
+def _validate_shape(params: Request) -> None:
     if not params.request_id:
         raise InvalidRequestError("request_id is required")
     if not params.model:
         raise InvalidRequestError("model is required")
-    if not params.prompt_ids:
+    if not params.prompt_token_ids:
         raise InvalidRequestError("prompt_token_ids must not be empty")
     if params.max_tokens < 1:
         raise InvalidRequestError(f"max_tokens={params.max_tokens}: must be >= 1")
@@ -229,10 +213,10 @@ def _validate_shape(params: GenerateParams) -> None:
         )
 
 
-def _check_vocab(params: GenerateParams, vocab_size: int) -> None:
+def _check_vocab(params: Request, vocab_size: int) -> None:
     """Token ids come from the gateway's tokenizer; the scheduler checks them all the same."""
     for name, ids in (
-        ("prompt_token_ids", params.prompt_ids),
+        ("prompt_token_ids", params.prompt_token_ids),
         ("stop_token_ids", params.stop_token_ids),
     ):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)

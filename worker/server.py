@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from canteen.codec import sampling_from_pb
+from canteen.codec import plan_from_pb, result_to_pb
 from canteen.logging import get_logger
-from canteen.plan import NewSequence, ScheduledSequence, StepPlan, StepResult
-from canteen.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from canteen.plan import StepPlan, StepResult
+from canteen.v1 import worker_pb2, worker_pb2_grpc
 from worker.engine.memory import PoolSize
 from worker.engine.observe import SequenceSpans, WorkerMetrics
 from worker.engine.runner import ModelRunner
@@ -27,57 +27,6 @@ class WorkerIdentity:
     version: str
     device: str
     max_batched_tokens: int
-
-
-def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:
-    return StepPlan(
-        step_id=msg.step_id,
-        new_sequences=tuple(
-            NewSequence(
-                n.seq_id,
-                tuple(n.token_ids),
-                sampling_from_pb(n.sampling),
-                tuple(n.block_ids),
-                n.num_cached_tokens,
-                n.traceparent,
-                n.request_id,
-                n.num_prompt_tokens,
-            )
-            for n in msg.new_sequences
-        ),
-        scheduled=tuple(
-            ScheduledSequence(s.seq_id, s.num_tokens, tuple(s.new_block_ids), s.num_draft_tokens)
-            for s in msg.scheduled
-        ),
-        dropped_seq_ids=tuple(msg.dropped_seq_ids),
-    )
-
-
-def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
-    return worker_pb2.StepResult(
-        step_id=result.step_id,
-        tokens=[
-            worker_pb2.SampledToken(
-                seq_id=t.seq_id,
-                token_id=t.token_id,
-                logprob=t.logprob,
-                top=common_pb2.TopLogprobs(
-                    token_ids=[i for i, _ in t.top], logprobs=[lp for _, lp in t.top]
-                )
-                if t.top
-                else None,
-            )
-            for t in result.tokens
-        ],
-        failed=[worker_pb2.SequenceFailure(seq_id=f.seq_id, error=f.error) for f in result.failed],
-        num_tokens=result.num_tokens,
-        num_draft_tokens=result.num_draft_tokens,
-        num_accepted_tokens=result.num_accepted_tokens,
-        num_proposed=result.num_proposed,
-        timings=worker_pb2.StepTimings(
-            forward_ns=result.forward_ns, sample_ns=result.sample_ns, total_ns=result.total_ns
-        ),
-    )
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

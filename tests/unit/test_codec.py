@@ -1,5 +1,6 @@
-"""canteen/codec.py: Sampling travels by field name, so every field must have a same-named
-protobuf field, and a round trip must give back every value (float32-exact ones here)."""
+"""canteen/codec/sampling.py: Sampling travels by field name, so every field must have a
+same-named protobuf field, and a round trip must give back every value (float32-exact ones
+here)."""
 
 from __future__ import annotations
 

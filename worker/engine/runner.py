@@ -34,6 +34,8 @@ from worker.speculation.speculate import SpeculationConfig, accept, propose_ngra
 
 @dataclass
 class SequenceState:
+    """A ``NewSequence`` as the worker keeps it while it runs: its tokens and blocks grow."""
+
     seq_id: str
     tokens: list[int]
     sampling: Sampling
@@ -222,12 +224,12 @@ class ModelRunner:
             self.constraints.add(new.seq_id, new.sampling.constraint, generated)
         self.ledger.hold(new.block_ids)
         self.sequences[new.seq_id] = SequenceState(
-            new.seq_id,
-            list(new.token_ids),
-            new.sampling,
-            list(new.block_ids),
-            new.num_cached_tokens,
-            keys,
+            seq_id=new.seq_id,
+            tokens=list(new.token_ids),
+            sampling=new.sampling,
+            block_ids=list(new.block_ids),
+            num_computed=new.num_cached_tokens,
+            keys=keys,
         )
 
     def _schedule(self, item: ScheduledSequence) -> None:

@@ -1,9 +1,9 @@
-"""The one codec between sampling messages and the domain type ``canteen.plan.Sampling``.
+"""Sampling parameters: ``SamplingParams`` and ``GenerateRequest`` <-> ``canteen.plan.Sampling``.
 
-Fields travel by name: every field of ``Sampling`` is read from, and written to, the protobuf
-field of the same name. Adding a sampling parameter therefore means the proto, the domain
-type (with its bounds in ``Sampling.problem``) and the code that uses it; the gateway, the
-scheduler and the worker all convert through here.
+Fields travel by name (canteen/codec/fields.py): every field of ``Sampling`` is read from, and
+written to, the protobuf field of the same name. Adding a sampling parameter therefore means
+the proto, the domain type (with its bounds in ``Sampling.problem``) and the code that uses
+it; the gateway, the scheduler and the worker all convert through here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import random
 from dataclasses import fields
 from typing import Any
 
+from canteen.codec.fields import from_pb, to_pb
 from canteen.plan import Constraint, Sampling
 from canteen.v1 import common_pb2, inference_pb2
 
@@ -42,17 +43,18 @@ def constraint_from_pb(msg: common_pb2.Constraint) -> Constraint | None:
 
 
 def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(**{name: getattr(sampling, name) for name in _PLAIN})
-    if sampling.constraint is not None:
-        msg.constraint.CopyFrom(constraint_to_pb(sampling.constraint))
-    return msg
+    constraint = sampling.constraint
+    return to_pb(
+        sampling,
+        common_pb2.SamplingParams,
+        constraint=None if constraint is None else constraint_to_pb(constraint),
+    )
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
     """Between services: every field is set by the sender, so values are taken as they are."""
-    kwargs: dict[str, Any] = {name: getattr(msg, name) for name in _PLAIN}
     constraint = constraint_from_pb(msg.constraint) if msg.HasField("constraint") else None
-    return Sampling(**kwargs, constraint=constraint)
+    return from_pb(msg, Sampling, constraint=constraint)
 
 
 def sampling_from_request(msg: inference_pb2.GenerateRequest) -> Sampling:

@@ -1,0 +1,219 @@
+"""canteen/codec: every internal message survives a trip through its protobuf and the wire
+(domain -> pb -> bytes -> pb -> domain gives back the original), fields travel by name, and
+a field added to both sides travels with no codec change."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+
+import pytest
+from google.protobuf.message import Message
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from canteen import plan as domain
+from canteen.codec import (
+    plan_from_pb,
+    plan_to_pb,
+    request_from_pb,
+    request_to_pb,
+    response_to_pb,
+    result_from_pb,
+    result_to_pb,
+    schedule,
+)
+from canteen.codec.fields import from_pb, to_pb
+from canteen.finish import Finish
+from canteen.plan import Constraint, NewSequence, Sampling, ScheduledSequence, StepPlan
+from canteen.request import Request
+from canteen.v1 import common_pb2, scheduler_pb2, worker_pb2
+from scheduler.sequence import SeqEvent, Usage
+
+INT32 = st.integers(0, 2**31 - 1)
+UINT64 = st.integers(0, 2**64 - 1)
+TEXT = st.text(max_size=8)
+FLOAT32 = st.floats(width=32, allow_nan=False)  # the wire's float holds these exactly
+IDS = st.lists(INT32, max_size=6).map(tuple)
+TOP = st.lists(st.tuples(INT32, FLOAT32), max_size=3).map(tuple)
+
+CONSTRAINTS = st.one_of(
+    st.none(),
+    st.just(Constraint("json_object")),
+    st.builds(Constraint, st.sampled_from(["json_schema", "regex", "grammar"]), TEXT),
+    st.builds(Constraint, st.just("choice"), choices=st.lists(TEXT, min_size=1).map(tuple)),
+)
+SAMPLING = st.builds(Sampling, FLOAT32, FLOAT32, INT32, UINT64, INT32, CONSTRAINTS)
+NEW = st.builds(NewSequence, TEXT, IDS, SAMPLING, IDS, INT32, TEXT, TEXT, INT32)
+SCHEDULED = st.builds(ScheduledSequence, TEXT, INT32, IDS, INT32)
+PLAN = st.builds(
+    StepPlan,
+    UINT64,
+    st.lists(NEW, max_size=3).map(tuple),
+    st.lists(SCHEDULED, max_size=3).map(tuple),
+    st.lists(TEXT, max_size=3).map(tuple),
+)
+TOKEN = st.builds(domain.SampledToken, TEXT, INT32, FLOAT32, TOP)
+RESULT = st.builds(
+    domain.StepResult,
+    UINT64,
+    st.lists(TOKEN, max_size=3).map(tuple),
+    INT32,
+    st.integers(0, 2**63 - 1),
+    st.integers(0, 2**63 - 1),
+    st.integers(0, 2**63 - 1),
+    st.lists(st.builds(domain.FailedSequence, TEXT, TEXT), max_size=2).map(tuple),
+    INT32,
+    INT32,
+    st.dictionaries(TEXT, INT32, max_size=3),
+)
+REQUEST = st.builds(
+    Request,
+    request_id=TEXT,
+    model=TEXT,
+    prompt_token_ids=IDS,
+    max_tokens=INT32,
+    sampling=SAMPLING,
+    version=TEXT,
+    stop_token_ids=IDS,
+    ignore_eos=st.booleans(),
+    priority=st.integers(-(2**31), 2**31 - 1),
+    cache_salt=TEXT,
+    disable_speculation=st.booleans(),
+)
+
+
+@settings(max_examples=200)
+@given(PLAN)
+def test_a_step_plan_round_trips(plan: StepPlan) -> None:
+    wire = plan_to_pb(plan).SerializeToString()
+    assert plan_from_pb(worker_pb2.StepPlan.FromString(wire)) == plan
+
+
+@settings(max_examples=200)
+@given(RESULT)
+def test_a_step_result_round_trips(result: domain.StepResult) -> None:
+    wire = result_to_pb(result).SerializeToString()
+    assert result_from_pb(worker_pb2.StepResult.FromString(wire)) == result
+
+
+@settings(max_examples=200)
+@given(REQUEST)
+def test_a_schedule_request_round_trips(request: Request) -> None:
+    wire = request_to_pb(request).SerializeToString()
+    assert request_from_pb(scheduler_pb2.ScheduleRequest.FromString(wire)) == request
+
+
+def test_a_request_deadline_is_the_calls_time_left() -> None:
+    msg = request_to_pb(Request("r", "m", (1,), 4, Sampling()))
+    assert request_from_pb(msg).deadline is None
+    got = request_from_pb(msg, time_remaining=30.0).deadline
+    assert got is not None and 29 < got - time.monotonic() <= 30
+
+
+def test_the_wire_carries_each_value_in_its_named_field() -> None:
+    new = NewSequence("s1", (5, 6, 7), Sampling(0.5, seed=3), (2, 3), 1, "tp", "req", 2)
+    plan = plan_to_pb(StepPlan(9, (new,), (ScheduledSequence("s1", 3, (4,), 2),), ("old",)))
+    n, s = plan.new_sequences[0], plan.scheduled[0]
+    assert (plan.step_id, list(plan.dropped_seq_ids)) == (9, ["old"])
+    assert (n.seq_id, list(n.token_ids), list(n.block_ids)) == ("s1", [5, 6, 7], [2, 3])
+    assert (n.num_cached_tokens, n.traceparent, n.request_id, n.num_prompt_tokens) == (
+        1,
+        "tp",
+        "req",
+        2,
+    )
+    assert (n.sampling.temperature, n.sampling.seed) == (0.5, 3)
+    assert (s.seq_id, s.num_tokens, list(s.new_block_ids), s.num_draft_tokens) == ("s1", 3, [4], 2)
+    step = domain.StepResult(
+        4,
+        tokens=(domain.SampledToken("s1", 8, -0.5),),
+        forward_ns=10,
+        sample_ns=20,
+        total_ns=30,
+        failed=(domain.FailedSequence("x", "no"),),
+    )
+    result = result_to_pb(step)
+    timings = result.timings
+    assert (timings.forward_ns, timings.sample_ns, timings.total_ns) == (10, 20, 30)
+    assert not result.tokens[0].HasField("top")  # no alternatives asked, none sent
+    assert (result.failed[0].seq_id, result.failed[0].error) == ("x", "no")
+
+
+def test_a_response_carries_the_event_and_ends_with_finish_and_usage() -> None:
+    top = ((1, -0.25), (2, -1.5))
+    event = SeqEvent("s", (1,), (-0.25,), None, (top,), Usage(3, 1, 0), 0.5)
+    first = response_to_pb(event, is_first=True, stream_tag=7)
+    assert (list(first.token_ids), list(first.logprobs), first.stream_tag) == ([1], [-0.25], 7)
+    assert (first.queue_seconds, first.finish_reason, first.HasField("usage")) == (0.5, 0, False)
+    assert [(list(t.token_ids), list(t.logprobs)) for t in first.top_logprobs] == [
+        ([1, 2], [-0.25, -1.5])
+    ]
+    assert response_to_pb(event, is_first=False).queue_seconds == 0.0  # sent once
+    last = response_to_pb(SeqEvent("s", (), (), Finish.LENGTH, (), Usage(3, 4, 2)), False)
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 4)
+    assert last.usage.cached_tokens == 2
+
+
+@dataclass(frozen=True)
+class WiderRequest(Request):
+    """``Request`` as it would be with two more fields that ``ScheduleRequest`` has."""
+
+    subscription_id: str = ""
+    stream_tag: int = 0
+
+
+def test_a_field_added_to_both_sides_travels_with_no_codec_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    wider = WiderRequest("r", "m", (1, 2), 4, Sampling(seed=1), subscription_id="sub", stream_tag=7)
+    msg = request_to_pb(wider)
+    assert (msg.subscription_id, msg.stream_tag) == ("sub", 7)
+    monkeypatch.setattr(schedule, "Request", WiderRequest)
+    assert request_from_pb(msg) == wider
+
+
+def test_a_message_field_left_out_is_an_error_not_a_silent_drop() -> None:
+    new = NewSequence("s", (1,), Sampling(), (0,))
+    with pytest.raises(TypeError, match="field 'sampling' holds messages"):
+        to_pb(new, worker_pb2.NewSequence)
+    with pytest.raises(TypeError, match="field 'sampling' holds messages"):
+        from_pb(worker_pb2.NewSequence(seq_id="s"), NewSequence)
+
+
+# Each contract's fields that are not on both sides by name, and so are converted by hand
+# (or, for the scheduler's subscription fields, read in scheduler/server.py).
+TIMINGS = {"forward_ns", "sample_ns", "total_ns"}
+ONE_SIDED = [
+    (Sampling, common_pb2.SamplingParams, set(), set()),
+    (StepPlan, worker_pb2.StepPlan, set(), set()),
+    (NewSequence, worker_pb2.NewSequence, set(), set()),
+    (ScheduledSequence, worker_pb2.ScheduledSequence, set(), set()),
+    (domain.SampledToken, worker_pb2.SampledToken, set(), set()),
+    (domain.FailedSequence, worker_pb2.SequenceFailure, set(), set()),
+    (
+        domain.StepResult,
+        worker_pb2.StepResult,
+        {"forward_ns", "sample_ns", "total_ns"},
+        {"timings"},
+    ),
+    (Request, scheduler_pb2.ScheduleRequest, {"deadline"}, {"subscription_id", "stream_tag"}),
+    (Usage, common_pb2.Usage, set(), set()),
+    (
+        SeqEvent,
+        scheduler_pb2.ScheduleResponse,
+        {"seq_id", "finish", "error", "is_refused"},
+        {"finish_reason", "stream_tag"},
+    ),
+]
+
+
+@pytest.mark.parametrize(("cls", "message", "only_domain", "only_pb"), ONE_SIDED)
+def test_a_field_on_one_side_only_is_a_known_one(
+    cls: type, message: type[Message], only_domain: set[str], only_pb: set[str]
+) -> None:
+    """A field added to one side and not the other fails here, not silently on the wire."""
+    names = {f.name for f in fields(cls)}
+    wire = set(message.DESCRIPTOR.fields_by_name)
+    assert (names - wire, wire - names) == (only_domain, only_pb)
