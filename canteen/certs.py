@@ -13,7 +13,8 @@ A certificate's role is one URI subject alternative name, ``spiffe://canteen/<ro
 it on every RPC (canteen/tls.py); the common name is only a label. The role is also a DNS name
 (and a worker's ``<id>.worker.canteen``): clients verify the server they dial by that name
 (``ssl_target_name_override``), so a worker's certificate is valid at whatever address it
-advertises. ``--hosts`` adds further names and IPs. Keys are written 0600 with
+advertises. ``--hosts`` adds further names and IPs, except other roles' names: only the
+registry's certificate may say it is ``registry``. Keys are written 0600 with
 ``O_EXCL|O_NOFOLLOW``: never over an existing file, never through a symlink.
 """
 
@@ -49,9 +50,12 @@ def role_uri(role: str, worker_id: str = "") -> str:
     return f"{URI_PREFIX}worker/{worker_id}" if role == "worker" else f"{URI_PREFIX}{role}"
 
 
+WORKER_DNS_SUFFIX = ".worker.canteen"
+
+
 def worker_dns_name(worker_id: str) -> str:
     """The DNS name a worker's certificate carries for its id; the scheduler dials by it."""
-    return f"{worker_id}.worker.canteen"
+    return f"{worker_id}{WORKER_DNS_SUFFIX}"
 
 
 def check_worker_id(worker_id: str) -> str:
@@ -171,7 +175,10 @@ def build_cert(
     """A certificate for ``role`` (a worker: for ``worker_id``) and its new key."""
     if role not in ROLES:
         raise ValueError(f"role={role!r}: one of {', '.join(ROLES)}")
-    dns = [role, *hosts]
+    # A certificate never carries another role's name, nor a worker-id name: clients check
+    # a server by those (``ssl_target_name_override``), so only that role may hold them.
+    others = [h for h in hosts if h not in ROLES and not h.endswith(WORKER_DNS_SUFFIX)]
+    dns = [role, *others]
     if role == "worker":
         dns.insert(1, worker_dns_name(check_worker_id(worker_id)))
     ca_cert, ca_key = ca
