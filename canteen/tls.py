@@ -158,7 +158,7 @@ def identity_of(pem: bytes) -> Peer:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
         return Peer(None)
-    uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier)]
+    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
     ours = [u.removeprefix(URI_PREFIX) for u in uris if u.startswith(URI_PREFIX)]
     if len(ours) != 1:
         return Peer(None)

@@ -151,12 +151,12 @@ class WorkerPool:
             if moved is not None and moved.address != entry.address:
                 self._spawn(self._connect(moved))  # it re-registered elsewhere meanwhile
             return
+        try:  # still connecting while it is judged: no second dial meanwhile
+            refusal, transient = info_refusal(info, entry), False
+            if refusal is None:
+                refusal, transient = await self._model_refusal(info)
         finally:
             self._connecting.discard(entry.worker_id)
-        refusal = info_refusal(info, entry)
-        transient = False
-        if refusal is None:
-            refusal, transient = await self._model_refusal(info)
         if refusal is not None:
             self._refuse(entry, refusal, transient)
             await channel.close()
