@@ -203,7 +203,9 @@ class WorkerPool:
         return None, False
 
     def _refuse(self, entry: registry_pb2.WorkerEntry, reason: str, transient: bool) -> None:
-        log.error("worker refused", worker_id=entry.worker_id, address=entry.address, reason=reason)
+        log.warning(
+            "worker refused", worker_id=entry.worker_id, address=entry.address, reason=reason
+        )
         self.refused[entry.worker_id] = (entry, reason)
         if transient:
             self._spawn(self._recheck(entry))
