@@ -25,6 +25,21 @@ class UnknownLeaseError(Exception):
     pass
 
 
+class NotLeaseOwnerError(Exception):
+    """A worker acted on a lease its certificate does not name."""
+
+
+def check_owner(worker_id: str, owner: str | None) -> None:
+    """``owner``: the worker id in the caller's certificate (None on plaintext links, where
+    no caller is known). One certificate is one worker: it holds only its own id's lease."""
+    if owner is not None and worker_id != owner:
+        raise NotLeaseOwnerError(
+            f"worker_id={worker_id!r}: this caller's certificate is for worker {owner!r} "
+            f"(spiffe://canteen/worker/{owner}); a worker may register, heartbeat and "
+            "deregister only its own id"
+        )
+
+
 class WorkerDirectory:
     """Workers with a live lease; a lease lapses ``ttl_seconds`` after its last heartbeat."""
 
@@ -37,7 +52,8 @@ class WorkerDirectory:
     def snapshot(self) -> list[WorkerEntry]:
         return sorted(self._workers.values(), key=lambda w: w.worker_id)
 
-    async def register(self, entry: WorkerEntry) -> None:
+    async def register(self, entry: WorkerEntry, owner: str | None = None) -> None:
+        check_owner(entry.worker_id, owner)
         self._workers[entry.worker_id] = entry
         self._expires[entry.worker_id] = time.monotonic() + self.ttl_seconds
         log.info(
@@ -49,12 +65,16 @@ class WorkerDirectory:
         )
         await self._notify()
 
-    async def heartbeat(self, worker_id: str) -> None:
+    async def heartbeat(self, worker_id: str, owner: str | None = None) -> None:
+        check_owner(worker_id, owner)
         if worker_id not in self._workers:
             raise UnknownLeaseError(f"worker {worker_id!r} has no live lease; register again")
         self._expires[worker_id] = time.monotonic() + self.ttl_seconds
 
-    async def deregister(self, worker_id: str, reason: str = "deregistered") -> None:
+    async def deregister(
+        self, worker_id: str, reason: str = "deregistered", owner: str | None = None
+    ) -> None:
+        check_owner(worker_id, owner)
         if self._workers.pop(worker_id, None) is not None:
             self._expires.pop(worker_id, None)
             log.info("worker removed", worker_id=worker_id, reason=reason)

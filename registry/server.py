@@ -8,11 +8,12 @@ import grpc
 
 from canteen.admin_keys import WRITE, AdminKeys, AuthenticationError, ScopeError
 from canteen.auth import ApiKeys
+from canteen.tls import peer_identity
 from canteen.v1 import registry_pb2 as pb
 from canteen.v1 import registry_pb2_grpc
 from registry.aliases import Alias, AliasTarget, AliasTargetNotFoundError, InvalidAliasError
 from registry.core import InvalidModelError, ModelInUseError, ModelTable, Registry
-from registry.directory import UnknownLeaseError, WorkerEntry
+from registry.directory import NotLeaseOwnerError, UnknownLeaseError, WorkerEntry
 from registry.store import AliasNotFoundError, ModelExistsError, ModelNotFoundError, ModelRecord
 
 _FORMATS = {"safetensors": pb.MODEL_FORMAT_SAFETENSORS, "gguf": pb.MODEL_FORMAT_GGUF}
@@ -46,6 +47,12 @@ def alias_from_pb(msg: pb.Alias) -> Alias:
         msg.model or msg.name,
         tuple(AliasTarget(t.version, t.weight) for t in msg.targets),
     )
+
+
+def _owner(context: grpc.aio.ServicerContext) -> str | None:
+    """The worker id the caller's certificate names; None on a plaintext link."""
+    peer = peer_identity(context)
+    return None if peer is None else peer.worker_id
 
 
 def _entry_to_pb(entry: WorkerEntry) -> pb.WorkerEntry:
@@ -167,9 +174,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required"
             )
-        await self._registry.directory.register(
-            WorkerEntry(request.worker_id, request.address, request.model, request.version)
-        )
+        try:
+            await self._registry.directory.register(
+                WorkerEntry(request.worker_id, request.address, request.model, request.version),
+                _owner(context),
+            )
+        except NotLeaseOwnerError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return pb.Lease(
             worker_id=request.worker_id, ttl_seconds=self._registry.directory.ttl_seconds
         )
@@ -178,9 +189,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.Lease:
         try:
-            await self._registry.directory.heartbeat(request.worker_id)
+            await self._registry.directory.heartbeat(request.worker_id, _owner(context))
         except UnknownLeaseError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except NotLeaseOwnerError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return pb.Lease(
             worker_id=request.worker_id, ttl_seconds=self._registry.directory.ttl_seconds
         )
@@ -188,7 +201,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     async def DeregisterWorker(
         self, request: pb.DeregisterWorkerRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeregisterWorkerResponse:
-        await self._registry.directory.deregister(request.worker_id)
+        try:
+            await self._registry.directory.deregister(request.worker_id, owner=_owner(context))
+        except NotLeaseOwnerError as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         return pb.DeregisterWorkerResponse()
 
     async def WatchWorkers(

@@ -19,6 +19,9 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 
+# The most blocks one worker's pool may have: the mirror holds a list entry per block.
+MAX_NUM_BLOCKS = 1 << 21
+
 
 def chain_key(parent: bytes, tokens: list[int]) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
@@ -32,8 +35,8 @@ class BlockPool:
         enable_prefix_cache: bool = False,
         cache_salt: str = "",
     ) -> None:
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks={num_blocks}: must be > 0")
+        if not 0 < num_blocks <= MAX_NUM_BLOCKS:
+            raise ValueError(f"num_blocks={num_blocks}: must be in 1..{MAX_NUM_BLOCKS}")
         if block_size <= 0:
             raise ValueError(f"block_size={block_size}: must be > 0")
         self.num_blocks = num_blocks

@@ -21,18 +21,21 @@ import grpc
 
 from canteen.logging import get_logger
 from canteen.streams import follow_stream
-from canteen.tls import Tls, aio_channel
+from canteen.tls import Tls, aio_channel, worker_channel_name
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler
 from scheduler.failover import Failover
 from scheduler.link import LinkSettings, StepObserver, WorkerLink, describe
 from scheduler.sequence import Sequence
+from scheduler.worker_limits import info_refusal, unlisted_model
 
 log = get_logger(__name__)
 
 # After the worker watch (re)connects, workers missing from the directory are not drained for
 # this long: a restarted registry knows no lease until each worker's next heartbeat.
 DIRECTORY_RESYNC_SECONDS = 15.0
+# A worker refused because the registry could not confirm its model is dialled again after this.
+RECHECK_SECONDS = 5.0
 
 
 class WorkerPool:
@@ -58,6 +61,9 @@ class WorkerPool:
         self._synced_at: float | None = None  # when the current watch stream began
         self._was_broken = False  # the watch stream broke at least once (registry restart)
         self._live: dict[str, registry_pb2.WorkerEntry] = {}  # the directory's last word
+        # Workers dialled and refused (worker_limits.py), with the entry and the reason: not
+        # dialled again until the directory lists them differently.
+        self.refused: dict[str, tuple[registry_pb2.WorkerEntry, str]] = {}
 
     def serving(self, model: str, version: str) -> list[WorkerLink]:
         """Ready workers of the model (of that version, when given)."""
@@ -118,7 +124,11 @@ class WorkerPool:
             if worker_id not in live and not link.is_draining and not resyncing:
                 log.info("worker left the directory", worker_id=worker_id)
                 link.drain()
+        for worker_id in [w for w, (entry, _) in self.refused.items() if live.get(w) != entry]:
+            del self.refused[worker_id]  # gone, or registered anew: judged again
         for worker_id, entry in live.items():
+            if worker_id in self.refused:
+                continue
             if worker_id not in self.links and worker_id not in self._connecting:
                 self._spawn(self._connect(entry))
 
@@ -127,7 +137,8 @@ class WorkerPool:
         a worker that is still starting; a re-dial after a loss fails fast instead, so a dead
         address never blocks the worker's restart under the same id."""
         self._connecting.add(entry.worker_id)
-        channel = aio_channel(entry.address, self._tls, "worker")
+        # Under mTLS the worker must present the certificate of the id the registry lists.
+        channel = aio_channel(entry.address, self._tls, worker_channel_name(entry.worker_id))
         try:
             info = await worker_pb2_grpc.WorkerStub(channel).GetInfo(
                 worker_pb2.GetInfoRequest(), timeout=10 if patient else 2, wait_for_ready=patient
@@ -140,8 +151,16 @@ class WorkerPool:
             if moved is not None and moved.address != entry.address:
                 self._spawn(self._connect(moved))  # it re-registered elsewhere meanwhile
             return
+        try:  # still connecting while it is judged: no second dial meanwhile
+            refusal, transient = info_refusal(info, entry), False
+            if refusal is None:
+                refusal, transient = await self._model_refusal(info)
         finally:
             self._connecting.discard(entry.worker_id)
+        if refusal is not None:
+            self._refuse(entry, refusal, transient)
+            await channel.close()
+            return
         link = WorkerLink(
             describe(info, entry.address),
             channel,
@@ -165,6 +184,37 @@ class WorkerPool:
         await self._readiness_changed()
         if not link.is_draining:
             self._spawn(self._reconnect(entry))
+
+    async def _model_refusal(self, info: worker_pb2.WorkerInfo) -> tuple[str | None, bool]:
+        """Why the registry's model list rules the worker's model version out; None when it
+        lists it; and whether the refusal is transient (the registry could not answer)."""
+        request = registry_pb2.GetModelRequest(name=info.model, version=info.version)
+        async with aio_channel(self._registry_address, self._tls, "registry") as channel:
+            try:
+                await registry_pb2_grpc.RegistryStub(channel).GetModel(request, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    return unlisted_model(info), False
+                return (
+                    f"model={info.model!r} version={info.version!r}: the registry could not "
+                    f"confirm it is listed ({exc.code().name}); asking again in "
+                    f"{RECHECK_SECONDS:g} s"
+                ), True
+        return None, False
+
+    def _refuse(self, entry: registry_pb2.WorkerEntry, reason: str, transient: bool) -> None:
+        log.warning(
+            "worker refused", worker_id=entry.worker_id, address=entry.address, reason=reason
+        )
+        self.refused[entry.worker_id] = (entry, reason)
+        if transient:
+            self._spawn(self._recheck(entry))
+
+    async def _recheck(self, entry: registry_pb2.WorkerEntry) -> None:
+        await asyncio.sleep(RECHECK_SECONDS)
+        if self.refused.get(entry.worker_id, (None, ""))[0] == entry:
+            del self.refused[entry.worker_id]
+            self._spawn(self._connect(entry))
 
     async def _reconnect(self, entry: registry_pb2.WorkerEntry) -> None:
         """Dials a lost worker again while the directory still lists it: its process may

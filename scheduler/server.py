@@ -128,4 +128,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     last_batch_size=link.last_batch_size,
                 )
             )
-        return scheduler_pb2.GetStatsResponse(workers=workers)
+        refused = [
+            scheduler_pb2.RefusedWorker(worker_id=e.worker_id, address=e.address, reason=reason)
+            for e, reason in self._service.pool.refused.values()
+        ]
+        return scheduler_pb2.GetStatsResponse(workers=workers, refused_workers=refused)

@@ -263,7 +263,9 @@ async def serve(
         health_port=config.health_port,
     )
     runtimes.append(runtime)  # the main thread's signal handler drains it
-    worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+    # Under mTLS the certificate names the worker (canteen/certs.py).
+    worker_id = config.worker_id or (tls.worker_id if tls else "")
+    worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
     channel = aio_channel(config.registry, tls, "registry")
     registry = registry_pb2_grpc.RegistryStub(channel)
     record = await fetch_record(registry, config.model)
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         WorkerConfig, argv, prog="python -m worker", description="Canteen model worker"
     )
     configure_logging("worker")
-    tls = config.load_tls("worker")
+    tls = config.load_tls("worker", config.worker_id)
     configure_tracing("canteen-worker", config.otlp_endpoint, tls)
     if config.threads:
         torch.set_num_threads(config.threads)

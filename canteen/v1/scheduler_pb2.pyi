@@ -365,19 +365,55 @@ class GetStatsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKERS_FIELD_NUMBER: _builtins.int
+    REFUSED_WORKERS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerStats]:
         """One entry per known worker."""
+
+    @_builtins.property
+    def refused_workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___RefusedWorker]:
+        """Workers the directory lists that the scheduler refused to send work to."""
 
     def __init__(
         self,
         *,
         workers: _abc.Iterable[Global___WorkerStats] | None = ...,
+        refused_workers: _abc.Iterable[Global___RefusedWorker] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["refused_workers", b"refused_workers", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetStatsResponse: _TypeAlias = GetStatsResponse  # noqa: Y015
+
+@_typing.final
+class RefusedWorker(_message.Message):
+    """A worker the scheduler dialled and gives no traffic, and why."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WORKER_ID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    worker_id: _builtins.str
+    """Worker id, as the registry's directory lists it."""
+    address: _builtins.str
+    """Worker address."""
+    reason: _builtins.str
+    """The rule it broke, naming the field and the limit."""
+    def __init__(
+        self,
+        *,
+        worker_id: _builtins.str = ...,
+        address: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "reason", b"reason", "worker_id", b"worker_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RefusedWorker: _TypeAlias = RefusedWorker  # noqa: Y015

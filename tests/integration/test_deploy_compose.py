@@ -225,10 +225,11 @@ def test_compose_services_use_their_roles_certificates(full_config: dict[str, An
         env = svc["environment"]
         command = svc["command"]
         assert "--insecure" not in command and not env.get("CANTEEN_INSECURE"), name
-        # Only its own role's folder of the certs volume, read-only.
+        # Only its own role's folder of the certs volume, read-only; a worker service's own
+        # folder (one certificate is one worker, issue 32).
         mount = certs_mount(svc)
         assert mount["read_only"] is True, name
-        assert mount["volume"]["subpath"] == role, name
+        assert mount["volume"]["subpath"] == (name if role == "worker" else role), name
         target = mount["target"]
         assert env["CANTEEN_TLS_CERT"] == f"{target}/{role}.pem", name
         assert env["CANTEEN_TLS_KEY"] == f"{target}/{role}.key", name
@@ -264,7 +265,7 @@ def test_compose_certs_job_makes_every_role_once(full_config: dict[str, Any]) ->
     assert set(hosts.split(",")) >= dialed | set(canteen_services(full_config)) | {"127.0.0.1"}
     # The CA's folder is mounted by nothing but the job.
     for name, svc in canteen_services(full_config).items():
-        assert certs_mount(svc)["volume"]["subpath"] in ROLES, name
+        assert certs_mount(svc)["volume"]["subpath"] in {*ROLES, "worker-gpu"}, name
 
 
 def test_compose_registry_keeps_its_db_on_a_named_volume(full_config: dict[str, Any]) -> None:

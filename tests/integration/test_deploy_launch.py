@@ -320,6 +320,33 @@ def test_compose_certs_job_outside_containers(tmp_path: Path, image: ImageRun) -
     assert {p: p.read_bytes() for p in volume.rglob("*") if p.is_file()} == before
 
 
+def _san(cert: x509.Certificate) -> x509.SubjectAlternativeName:
+    return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+
+
+def test_compose_certs_job_gives_each_worker_its_own_certificate_and_one_role_each(
+    tmp_path: Path, image: ImageRun
+) -> None:
+    services = compose_config("gpu")["services"]
+    rewrite = Rewriter(services, tmp_path / "volumes")
+    run_certs_job(services, rewrite, image)
+    volume = tmp_path / "volumes" / "certs"
+    for worker in ("worker", "worker-gpu"):
+        assert {p.name for p in (volume / worker).iterdir()} == {
+            "ca.pem",
+            "worker.pem",
+            "worker.key",
+        }
+        san = _san(load_cert(volume / worker / "worker.pem"))
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [
+            f"spiffe://canteen/worker/{worker}"
+        ]
+    for role in ROLES:
+        san = _san(load_cert(volume / role / f"{role}.pem"))
+        # No certificate names another role: only the scheduler's passes as the scheduler.
+        assert set(san.get_values_for_type(x509.DNSName)) & set(ROLES) == {role}, role
+
+
 def test_compose_commands_serve_outside_containers(
     tiny_model_dir: Path, tmp_path: Path, image: ImageRun, launched: list[Launched]
 ) -> None:

@@ -37,11 +37,12 @@ class SecureSuite:
     model_root: Path
     model_dir: Path
 
-    def tls(self, role: str) -> Tls:
-        return Tls.from_folder(self.certs, role)
+    def tls(self, role: str, worker_id: str = "worker") -> Tls:
+        """``role``'s certificate of the suite's CA (a worker's: ``worker_id``'s)."""
+        return Tls.from_folder(self.certs, role, worker_id if role == "worker" else "")
 
     def foreign_tls(self, role: str) -> Tls:
-        return Tls.from_folder(self.foreign, role)
+        return Tls.from_folder(self.foreign, role, "worker" if role == "worker" else "")
 
 
 @pytest.fixture(scope="session")

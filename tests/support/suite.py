@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from canteen.certs import DEFAULT_HOSTS, cert_path, issue, load_ca
 from canteen.tls import Tls, sync_channel
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,21 +137,29 @@ class Suite:
     # The registry's --model-root (default: two levels above workdir, pytest's temp root).
     model_root: Path | None = None
 
-    def tls(self, role: str = "client") -> Tls | None:
-        """``role``'s TLS material in this suite (a test's client: ``client``)."""
-        return Tls.from_folder(self.certs, role) if self.certs is not None else None
+    def tls(self, role: str = "client", worker_id: str = "worker") -> Tls | None:
+        """``role``'s TLS material in this suite (a test's client: ``client``; a worker's:
+        ``worker_id``'s)."""
+        if self.certs is None:
+            return None
+        return Tls.from_folder(self.certs, role, worker_id if role == "worker" else "")
 
-    def security_args(self, module: str) -> list[str]:
+    def security_args(self, module: str, name: str = "") -> list[str]:
+        """mTLS flags: the role's certificate; a worker's own, issued for its id ``name``."""
         role = _ROLES.get(module)
         if role is None:
             return []
         if self.certs is None:
             return ["--insecure"]
+        worker_id = name if role == "worker" else ""
+        cert = cert_path(self.certs, role, worker_id)
+        if not cert.exists():
+            issue(self.certs, role, DEFAULT_HOSTS, load_ca(self.certs), worker_id)
         return [
             "--tls-cert",
-            str(self.certs / f"{role}.pem"),
+            str(cert),
             "--tls-key",
-            str(self.certs / f"{role}.key"),
+            str(cert.with_suffix(".key")),
             "--tls-ca",
             str(self.certs / "ca.pem"),
         ]
@@ -191,7 +200,7 @@ class Suite:
                 str(port),
                 "--metrics-port",
                 str(metrics_port),
-                *self.security_args(module),
+                *self.security_args(module, name),
                 *args,
             ],
             cwd=ROOT,

@@ -82,13 +82,17 @@ class Launcher:
         )
 
     def _prepare_security(self) -> Tls | None:
-        """A fresh throwaway CA and certificates (mTLS), and the registry's admin key."""
+        """A fresh throwaway CA and certificates (mTLS): one per role and one per worker,
+        signed by a CA whose key lives in memory here and is dropped once they are made
+        (no child can mint a certificate); and the registry's admin key."""
         ensure_admin_key()
         folder = certs_dir()
+        shutil.rmtree(folder, ignore_errors=True)  # keys are never written over old files
         if self.layout.insecure:
-            shutil.rmtree(folder, ignore_errors=True)  # CLI tools must not try TLS
-            return None
-        make_suite_certs(folder, ["localhost", "127.0.0.1", self.layout.host])
+            return None  # and CLI tools must not try TLS
+        workers = [name for name in self.layout.names() if name.startswith("worker-")]
+        hosts = ["localhost", "127.0.0.1", self.layout.host]
+        make_suite_certs(folder, hosts, workers=workers, keep_ca_key=False)
         return Tls.from_folder(folder, "client")
 
     async def run(self, ready_timeout: float) -> int:

@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from canteen.certs import cert_path
 from canteen.local import admin_key_file, certs_dir, data_dir
 
 MAX_WORKERS = 64
@@ -118,8 +119,8 @@ def default_db() -> str:
 
 
 def security_args(layout: SuiteLayout, name: str, role: str) -> list[str]:
-    """mTLS flags for a child (its role's certificate), or --insecure; the registry's
-    admin key and model roots."""
+    """mTLS flags for a child (its role's certificate; a worker's own, for its name as its
+    id), or --insecure; the registry's admin key and model roots."""
     extra: list[str] = []
     if name == "registry":
         extra += ["--admin-keys-file", str(admin_key_file())]
@@ -128,10 +129,11 @@ def security_args(layout: SuiteLayout, name: str, role: str) -> list[str]:
     if layout.insecure:
         return [*extra, "--insecure"]
     folder = certs_dir()
+    cert = cert_path(folder, role, name if role == "worker" else "")
     return [
         *extra,
-        *("--tls-cert", str(folder / f"{role}.pem")),
-        *("--tls-key", str(folder / f"{role}.key")),
+        *("--tls-cert", str(cert)),
+        *("--tls-key", str(cert.with_suffix(".key"))),
         *("--tls-ca", str(folder / "ca.pem")),
     ]
 
