@@ -15,9 +15,8 @@ digests (canteen/auth.py) and named by their key id.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
-from canteen.auth import ApiKeys, AuthenticationError, KeySpec, Principal
+from canteen.auth import ApiKeys, AuthenticationError, KeySpec, Principal, read_key_lines
 
 READ, WRITE = "read", "write"
 SCOPES = (READ, WRITE)
@@ -58,7 +57,7 @@ class AdminKeys:
         """Write keys from the comma-separated ``keys_env``; scoped keys from ``keys_file``."""
         pairs = [(k.strip(), WRITE) for k in keys_env.split(",") if k.strip()]
         if keys_file:
-            pairs += _read_file(keys_file)
+            pairs += read_key_lines(keys_file, "admin_keys_file", parse_admin_line)
         scopes: dict[str, str] = {}
         for key, scope in pairs:
             known = scopes.setdefault(ApiKeys([key]).principals[0].key_id, scope)
@@ -90,22 +89,6 @@ class AdminKeys:
         if needed == WRITE and scope != WRITE:
             raise ScopeError(principal.key_id, scope, action, needed)
         return principal
-
-
-def _read_file(keys_file: str) -> list[tuple[str, str]]:
-    path = Path(keys_file)
-    if not path.is_file():
-        raise ValueError(f"admin_keys_file={keys_file!r}: no such file")
-    pairs = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            pairs.append(parse_admin_line(line))
-        except ValueError as exc:
-            raise ValueError(f"admin_keys_file={keys_file!r} line {number}: {exc}") from None
-    return pairs
 
 
 __all__ = ["READ", "WRITE", "AdminKeys", "AuthenticationError", "ScopeError"]

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from canteen.plan import MAX_PRIORITY, MIN_PRIORITY
+
+T = TypeVar("T")
 
 _OPTIONS = ("models", "rpm", "tpm", "priority")
 _OPTIONS_TEXT = "options are models=, rpm=, tpm= and priority="
@@ -160,6 +163,24 @@ def _parse_limit(name: str, value: str) -> int:
     return int(value)
 
 
+def read_key_lines(keys_file: str, flag: str, parse: Callable[[str], T]) -> list[T]:
+    """Each key line of ``keys_file`` parsed (blank lines and ``#`` comments skipped); a
+    bad line's error names ``flag``, the file and the line number, never the key."""
+    path = Path(keys_file)
+    if not path.is_file():
+        raise ValueError(f"{flag}={keys_file!r}: no such file")
+    parsed = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            parsed.append(parse(line))
+        except ValueError as exc:
+            raise ValueError(f"{flag}={keys_file!r} line {number}: {exc}") from None
+    return parsed
+
+
 class ApiKeys:
     """The configured keys; ``authenticate`` turns an authorization header into a Principal."""
 
@@ -187,17 +208,7 @@ class ApiKeys:
         """Keys from the comma-separated ``keys_env`` and the lines of ``keys_file``."""
         keys: list[str | KeySpec] = [k.strip() for k in keys_env.split(",") if k.strip()]
         if keys_file:
-            path = Path(keys_file)
-            if not path.is_file():
-                raise ValueError(f"api_keys_file={keys_file!r}: no such file")
-            for number, line in enumerate(path.read_text().splitlines(), start=1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                try:
-                    keys.append(parse_key_line(line))
-                except ValueError as exc:
-                    raise ValueError(f"api_keys_file={keys_file!r} line {number}: {exc}") from None
+            keys += read_key_lines(keys_file, "api_keys_file", parse_key_line)
         try:
             return cls(keys)
         except ValueError as exc:

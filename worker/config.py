@@ -25,6 +25,8 @@ from worker.engine.constrain import GrammarOptions
 from worker.engine.graphs import GraphSizes
 from worker.speculation.speculate import SPECULATIVE_KINDS
 
+_GRAMMAR = GrammarOptions()  # the grammar flags' defaults are the runner's
+
 QUANTIZATIONS = one_of("none", "int8", "int4")
 
 
@@ -109,42 +111,44 @@ class WorkerConfig(InternalLinkOptions):
     )
     threads: int = option(0, "torch CPU threads (0: torch's default)", at_least(0))
     grammar_compile_timeout: float = option(
-        5.0,
+        _GRAMMAR.compile_timeout,
         "seconds a constrained request's grammar may take to compile from its arrival; one "
         "that misses it fails that request alone (other sequences keep running meanwhile)",
         within(0.01, 600),
     )
     grammar_compile_threads: int = option(
-        2, "threads that compile grammars, off the step thread", within(1, 32)
+        _GRAMMAR.num_compile_threads,
+        "threads that compile grammars, off the step thread",
+        within(1, 32),
     )
     grammar_mask_threads: int = option(
-        0,
+        _GRAMMAR.num_mask_threads,
         "threads that fill a step's token masks in parallel with the forward (0: llguidance's "
         "default: most of the CPUs, up to 32)",
         within(0, 64),
     )
     grammar_lexer_fuel: int = option(
-        1_000_000,
+        _GRAMMAR.lexer_fuel,
         "work one grammar's lexer may take to build (llguidance's initial_lexer_fuel)",
         within(1_000, 10**10),
     )
     grammar_step_lexer_fuel: int = option(
-        200_000,
+        _GRAMMAR.step_lexer_fuel,
         "lexer work one token's mask may take (llguidance's step_lexer_fuel)",
         within(1_000, 10**9),
     )
     grammar_step_max_items: int = option(
-        50_000,
+        _GRAMMAR.step_max_items,
         "parser items one token's mask may make (llguidance's step_max_items)",
         within(100, 10**8),
     )
     grammar_max_lexer_states: int = option(
-        250_000,
+        _GRAMMAR.max_lexer_states,
         "lexer states one grammar may build (llguidance's max_lexer_states)",
         within(100, 10**8),
     )
     grammar_max_size: int = option(
-        500_000,
+        _GRAMMAR.max_grammar_size,
         "symbols one grammar may have (llguidance's max_grammar_size)",
         within(100, 10**9),
     )

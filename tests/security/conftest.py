@@ -15,7 +15,7 @@ import pytest
 
 from canteen.certs import make_suite_certs
 from canteen.tls import Tls
-from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, wait_serving
+from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, free_port, wait_serving
 
 # Tenants' API keys; sk-ops may ask for priority up to 5, the others for 0.
 KEY_A, KEY_B, KEY_OPS = "sk-tenant-a", "sk-tenant-b", "sk-ops"
@@ -43,6 +43,22 @@ class SecureSuite:
 
     def foreign_tls(self, role: str) -> Tls:
         return Tls.from_folder(self.foreign, role, "worker" if role == "worker" else "")
+
+    def start_public_tls_gateway(self, name: str) -> Service:
+        """A gateway whose public ports serve TLS with the gateway's certificate."""
+        return self.suite.start_gateway(
+            self.registry,
+            self.scheduler,
+            "--api-keys-file",
+            str(self.suite.workdir / "keys.txt"),
+            "--public-tls-cert",
+            str(self.certs / "gateway.pem"),
+            "--public-tls-key",
+            str(self.certs / "gateway.key"),
+            "--health-port",
+            str(free_port()),
+            name=name,
+        )
 
 
 @pytest.fixture(scope="session")

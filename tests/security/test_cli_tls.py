@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from tests.security.conftest import KEY_A, SecureSuite
-from tests.support.suite import ADMIN_KEY, ROOT, free_port
+from tests.support.suite import ADMIN_KEY, ROOT
 
 
 def _canteen(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -76,19 +76,7 @@ def test_generate_refuses_plaintext_and_talks_tls_with_ca(
     secure: SecureSuite, tmp_path: Path
 ) -> None:
     certs = secure.certs
-    gateway = secure.suite.start_gateway(
-        secure.registry,
-        secure.scheduler,
-        "--api-keys-file",
-        str(secure.suite.workdir / "keys.txt"),
-        "--public-tls-cert",
-        str(certs / "gateway.pem"),
-        "--public-tls-key",
-        str(certs / "gateway.key"),
-        "--health-port",
-        str(free_port()),
-        name="gateway-cli-tls",
-    )
+    gateway = secure.start_public_tls_gateway("gateway-cli-tls")
     ask = ["generate", "over TLS", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"]
     ask += ["--address", gateway.address, "--api-key", KEY_A]
     refused = _canteen(tmp_path, *ask)

@@ -216,19 +216,7 @@ def test_health_port_answers_probes_in_plaintext(secure: SecureSuite) -> None:
 
 def test_the_public_ports_serve_tls_when_given_a_certificate(secure: SecureSuite) -> None:
     certs = secure.certs
-    gateway = secure.suite.start_gateway(
-        secure.registry,
-        secure.scheduler,
-        "--api-keys-file",
-        str(secure.suite.workdir / "keys.txt"),
-        "--public-tls-cert",
-        str(certs / "gateway.pem"),
-        "--public-tls-key",
-        str(certs / "gateway.key"),
-        "--health-port",
-        str(free_port()),
-        name="gateway-public-tls",
-    )
+    gateway = secure.start_public_tls_gateway("gateway-public-tls")
     credentials = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
     with grpc.secure_channel(gateway.address, credentials) as channel:
         reply = inference_pb2_grpc.InferenceStub(channel).Complete(
