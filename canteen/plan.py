@@ -150,6 +150,7 @@ class FailedSequence:
 
     seq_id: str
     error: str
+    is_request_error: bool = False  # the request's own fault (its grammar), not the plan's
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ class BatchScheduler:
         self._last_result_at = now
         observe_step(self.cost, self.speculation, plan, result, since)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
-        refused = {f.seq_id: f.error for f in result.failed}
+        refused = {f.seq_id: f for f in result.failed}
         made = Counter(t.seq_id for t in result.tokens)
         for seq_id, seq in current.items():
             entry = entries[seq_id]
@@ -208,7 +208,11 @@ class BatchScheduler:
         for seq in current.values():
             if seq.status is Status.RUNNING:
                 self.kv.commit_full_blocks(seq)
-        events += [self._refuse(current[i], error) for i, error in refused.items() if i in current]
+        events += [
+            self._refuse(current[i], f.error, f.is_request_error)
+            for i, f in refused.items()
+            if i in current
+        ]
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent.of(seq, finish=Finish.CANCELLED))
@@ -279,12 +283,14 @@ class BatchScheduler:
         top = (token.top,) if seq.sampling.top_logprobs else ()
         return SeqEvent.of(seq, (token.token_id,), (token.logprob,), finish, top)
 
-    def _refuse(self, seq: Sequence, error: str) -> SeqEvent:
+    def _refuse(self, seq: Sequence, error: str, is_request_error: bool) -> SeqEvent:
         """The worker refused ``seq`` (and dropped it): it fails alone; the worker is fine."""
         seq.is_on_worker = False
         self._finish(seq, Finish.FAILED)
         why = f"worker refused the sequence: {error}"
-        return SeqEvent.of(seq, finish=Finish.FAILED, error=why, is_refused=True)
+        return SeqEvent.of(
+            seq, finish=Finish.FAILED, error=why, is_refused=True, is_request_error=is_request_error
+        )
 
     def _admit(self, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:

@@ -136,6 +136,7 @@ class SeqEvent:
     queue_seconds: float | None = None  # first scheduled minus arrival; None before
     error: str = ""  # why it failed (finish FAILED)
     is_refused: bool = False  # a worker refused its plan entry: it failed alone
+    is_request_error: bool = False  # ... because of the request itself (e.g. its grammar)
 
     @classmethod
     def of(
@@ -147,6 +148,7 @@ class SeqEvent:
         top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = (),
         error: str = "",
         is_refused: bool = False,
+        is_request_error: bool = False,
     ) -> SeqEvent:
         """An event of ``seq`` with its usage and queue time as they are now."""
         started = seq.first_scheduled_time
@@ -160,6 +162,7 @@ class SeqEvent:
             None if started is None else started - seq.arrival_time,
             error,
             is_refused,
+            is_request_error,
         )
 
     def then(self, more: SeqEvent) -> SeqEvent:

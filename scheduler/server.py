@@ -16,15 +16,17 @@ from scheduler.service import (
     NoWorkerError,
     QueueFullError,
     SchedulerService,
+    SequenceRefusedError,
     WorkerFailedError,
 )
 from scheduler.subscriptions import Subscription, SubscriptionError
 
-_ERRORS = {
+STATUS_OF = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
     NoWorkerError: grpc.StatusCode.UNAVAILABLE,
     QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerFailedError: grpc.StatusCode.UNAVAILABLE,
+    SequenceRefusedError: grpc.StatusCode.INTERNAL,  # the plan broke an invariant
 }
 
 
@@ -61,9 +63,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 str(exc),
                 (("canteen-final", "1"), ("canteen-subscription", "refused")),
             )
-        except tuple(_ERRORS) as exc:
+        except tuple(STATUS_OF) as exc:
             # The scheduler's own verdict: the gateway does not retry it as if unreachable.
-            await context.abort(_ERRORS[type(exc)], str(exc), (("canteen-final", "1"),))
+            await context.abort(STATUS_OF[type(exc)], str(exc), (("canteen-final", "1"),))
 
     def _feed(
         self, request: scheduler_pb2.ScheduleRequest, peer: str

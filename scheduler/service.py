@@ -143,7 +143,7 @@ class SchedulerService:
             event = pending or await queue.get()
             event, pending = _coalesce(event, queue)
             if event.finish is Finish.FAILED:
-                raise (SequenceRefusedError if event.is_refused else WorkerFailedError)(event.error)
+                raise refusal_of(event)
             if is_first and self.metrics is not None and event.queue_seconds is not None:
                 self.metrics.observe_queue(link.desc.model, link.desc.version, event.queue_seconds)
                 is_first = False
@@ -161,6 +161,16 @@ class SchedulerService:
         if self.metrics is not None:
             finish = seq.finish.value if seq.finish is not None else Finish.CANCELLED.value
             self.metrics.count_finish(link.desc.model, link.desc.version, finish)
+
+
+def refusal_of(event: SeqEvent) -> Exception:
+    """The error a failed sequence's caller gets: its own request's fault, a plan entry the
+    worker refused, or the worker lost."""
+    if event.is_request_error:
+        return InvalidRequestError(event.error)
+    if event.is_refused:
+        return SequenceRefusedError(event.error)
+    return WorkerFailedError(event.error)
 
 
 def _coalesce(event: SeqEvent, queue: asyncio.Queue[SeqEvent]) -> tuple[SeqEvent, SeqEvent | None]:

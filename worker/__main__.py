@@ -30,12 +30,13 @@ from worker.engine.memory import (
     Baseline,
     MemoryBudgetError,
     PoolSize,
+    kv_bytes_per_block,
     measure_baseline,
     peak_bytes,
     size_pool,
 )
 from worker.engine.observe import WorkerMetrics
-from worker.engine.runner import ModelRunner, RunnerConfig, kv_bytes_per_block
+from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.model.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
 from worker.server import WorkerIdentity, WorkerServicer
 from worker.speculation.draft import can_share_kv

@@ -433,19 +433,25 @@ class SequenceFailure(_message.Message):
 
     SEQ_ID_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    IS_REQUEST_ERROR_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     """Sequence id."""
     error: _builtins.str
     """What was wrong with its part of the plan."""
+    is_request_error: _builtins.bool
+    """The request itself is at fault (its grammar broke a limit or its deadline), not the
+    plan: the client gets INVALID_ARGUMENT rather than INTERNAL.
+    """
     def __init__(
         self,
         *,
         seq_id: _builtins.str = ...,
         error: _builtins.str = ...,
+        is_request_error: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "seq_id", b"seq_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "is_request_error", b"is_request_error", "seq_id", b"seq_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

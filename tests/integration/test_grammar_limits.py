@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from canteen.v1 import common_pb2
@@ -47,7 +48,8 @@ def test_a_grammar_over_the_workers_limit_fails_alone(
     free.join(120)
     shaped.join(120)
     assert shaped.error is not None and not shaped.tokens
-    # the worker's reason reaches the client (the status code is the scheduler's choice)
+    # the request's own grammar is at fault: the client's error, with the worker's reason
+    assert shaped.error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (
         "json_schema: initial lexer configuration (grammar) too big (limit for this grammar: "
         "1000) (the worker's --grammar-lexer-fuel)"

@@ -203,7 +203,7 @@ ONE_SIDED = [
     (
         SeqEvent,
         scheduler_pb2.ScheduleResponse,
-        {"seq_id", "finish", "error", "is_refused"},
+        {"seq_id", "finish", "error", "is_refused", "is_request_error"},
         {"finish_reason", "stream_tag"},
     ),
 ]

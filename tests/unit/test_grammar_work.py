@@ -137,6 +137,7 @@ def test_a_grammar_past_its_deadline_fails_alone_and_the_free_row_keeps_its_toke
             "slow",
             "sequence slow: regex: its grammar did not compile within "
             "grammar_compile_timeout=0.2s (the worker's --grammar-compile-timeout)",
+            is_request_error=True,
         ),
     )
     assert [t.seq_id for t in results[0].tokens] == ["free"]

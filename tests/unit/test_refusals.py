@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -18,6 +19,8 @@ from canteen.plan import (
     StepPlan,
 )
 from scheduler.sequence import Status
+from scheduler.server import STATUS_OF
+from scheduler.service import InvalidRequestError, SequenceRefusedError, refusal_of
 from tests.support import reference
 from tests.unit.test_batcher import FakeWorker, make_scheduler, make_seq
 from worker.engine.runner import ModelRunner, RunnerConfig
@@ -136,3 +139,28 @@ def test_a_cached_prefix_is_accepted_only_over_blocks_holding_those_tokens(
     )
     assert [f.seq_id for f in refused.failed] == ["c"]
     assert "block 1 does not hold its tokens 8..15" in refused.failed[0].error
+
+
+@pytest.mark.parametrize(
+    ("is_request_error", "error_type", "code"),
+    [
+        (True, InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+        (False, SequenceRefusedError, grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_a_refusal_reaches_the_caller_as_its_own_fault_or_the_plans(
+    is_request_error: bool, error_type: type[Exception], code: grpc.StatusCode
+) -> None:
+    sched, worker = make_scheduler(), FakeWorker(64)
+    seq = make_seq("shaped", 6, 4)
+    sched.add(seq)
+    plan = sched.schedule()
+    assert plan is not None
+    why = "sequence shaped: regex: its grammar did not compile within 0.2s"
+    result = dataclasses.replace(
+        worker.step(plan), tokens=(), failed=(FailedSequence("shaped", why, is_request_error),)
+    )
+    (event,) = sched.update(result)
+    error = refusal_of(event)
+    assert type(error) is error_type and str(error) == f"worker refused the sequence: {why}"
+    assert STATUS_OF[type(error)] == code  # not UNKNOWN: the scheduler names the fault

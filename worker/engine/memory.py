@@ -23,6 +23,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from worker.model.loader import LoadedModel
+
 # Head room for allocator fragmentation and the small per-step buffers the warm-up misses.
 MARGIN_FRACTION = 0.05
 
@@ -106,3 +108,9 @@ def size_pool(
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    """One block's keys and values over every layer, in the model's dtype."""
+    element = torch.tensor([], dtype=loaded.dtype).element_size()
+    return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * element

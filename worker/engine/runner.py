@@ -45,11 +45,6 @@ class SequenceState:
     drafts: list[int] = field(default_factory=list)  # this step's draft tokens, if any
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
-    element = torch.tensor([], dtype=loaded.dtype).element_size()
-    return 2 * loaded.num_layers * block_size * loaded.num_kv_heads * loaded.head_dim * element
-
-
 @dataclass(frozen=True)
 class RunnerConfig:
     """The shape of one runner: its KV pool, its step budget and how it decodes."""
@@ -174,31 +169,31 @@ class ModelRunner:
     def _apply(self, plan: StepPlan) -> tuple[StepPlan, list[FailedSequence]]:
         """Applies drops and new sequences; returns the entries that can run this step and
         the sequences refused (each dropped here, failing alone)."""
-        failed: dict[str, str] = {}
+        failed: dict[str, FailedSequence] = {}
         for seq_id in plan.dropped_seq_ids:
             self._drop(seq_id)
         for new in plan.new_sequences:
             try:
                 self._add(new)
             except EntryError as exc:
-                failed[new.seq_id] = str(exc)
+                failed[new.seq_id] = FailedSequence(new.seq_id, str(exc))
         runnable = []
         for item in plan.scheduled:
             if item.seq_id in failed:
                 continue
             try:
                 self._schedule(item)
+                error = self.constraints.failure(item.seq_id)  # failed already: no forward
+                failure = None if error is None else FailedSequence(item.seq_id, error, True)
             except EntryError as exc:
-                failed[item.seq_id] = str(exc)
+                failure = FailedSequence(item.seq_id, str(exc))
+            if failure is None:
+                runnable.append(item)
+            else:
+                failed[item.seq_id] = failure
                 self._drop(item.seq_id)
-                continue
-            if (error := self.constraints.failure(item.seq_id)) is not None:
-                failed[item.seq_id] = error  # its grammar failed already: spare the forward
-                self._drop(item.seq_id)
-                continue
-            runnable.append(item)
         ok = dataclasses.replace(plan, new_sequences=(), scheduled=tuple(runnable))
-        return ok, [FailedSequence(seq_id, error) for seq_id, error in failed.items()]
+        return ok, list(failed.values())
 
     def _drop(self, seq_id: str) -> None:
         seq = self.sequences.pop(seq_id, None)
@@ -394,7 +389,7 @@ class ModelRunner:
         if not errors:
             return rows, seqs, per_row
         for seq_id, error in errors.items():
-            failed.append(FailedSequence(seq_id, error))
+            failed.append(FailedSequence(seq_id, error, is_request_error=True))
             self._drop(seq_id)
         keep = [r for r, (s, _) in enumerate(per_row) if s.seq_id not in errors]
         with torch.inference_mode():
