@@ -5,21 +5,19 @@ own metrics port, and when one dies the other keeps serving on the same ports.""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import signal
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from canteen.v1 import inference_pb2, inference_pb2_grpc
-from tests.support import reference
+from tests.support.replicas import (
+    complete_over_http,
+    expected_greedy,
+    generate_on_new_connection,
+    requests_served,
+)
 from tests.support.suite import TRANSFORMERS_DTYPE, Service, Suite, free_port, wait_serving
-
-PROMPT = "Canteen batches requests"
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -46,65 +44,27 @@ def replicas(
         suite.stop()
 
 
-def _expected(tiny_model_dir: Path) -> list[int]:
-    tok = reference.tokenizer(tiny_model_dir)
-    ids = tok(PROMPT, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
-    return reference.greedy(tiny_model_dir, ids, MAX_TOKENS)
-
-
-def _generate_on_new_connection(address: str) -> list[int]:
-    """One request on a channel of its own: a new TCP connection the kernel places (a local
-    subchannel pool, or gRPC would share one connection between channels)."""
-    options = [("grpc.use_local_subchannel_pool", 1)]
-    with grpc.insecure_channel(address, options) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        request = inference_pb2.GenerateRequest(
-            prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True
-        )
-        return [t for m in stub.Generate(request, timeout=60) for t in m.token_ids]
-
-
-def _complete_over_http(url: str) -> str:
-    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-    request = urllib.request.Request(
-        f"{url}/v1/completions",
-        json.dumps(body).encode(),
-        {"Content-Type": "application/json", "Connection": "close"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as reply:
-        return str(json.load(reply)["choices"][0]["text"])
-
-
-def _requests_served(gateway: Service) -> float:
-    """The gateway's own canteen_requests_total, all statuses, from its metrics port."""
-    with urllib.request.urlopen(gateway.metrics_url, timeout=10) as reply:
-        text = reply.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("canteen_requests_total{")
-    )
+def _counts(gateways: list[Service]) -> list[float]:
+    return [requests_served(g.metrics_url) for g in gateways]
 
 
 def test_both_processes_serve_the_one_port_with_exact_tokens(
     replicas: tuple[Suite, list[Service]], tiny_model_dir: Path
 ) -> None:
     _, gateways = replicas
-    expected = _expected(tiny_model_dir)
-    before = [_requests_served(g) for g in gateways]
+    expected, text = expected_greedy(tiny_model_dir)
+    before = _counts(gateways)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        got = list(pool.map(_generate_on_new_connection, [gateways[0].address] * 24))
+        got = list(pool.map(generate_on_new_connection, [gateways[0].address] * 24))
     assert got == [expected] * 24
-    served = [_requests_served(g) - b for g, b in zip(gateways, before, strict=True)]
+    served = [n - b for n, b in zip(_counts(gateways), before, strict=True)]
     assert sum(served) == 24
     assert min(served) >= 1, f"the kernel gave every connection to one process: {served}"
-    tok = reference.tokenizer(tiny_model_dir)
-    text = tok.decode(expected, skip_special_tokens=True)  # type: ignore[attr-defined]
-    before_http = [_requests_served(g) for g in gateways]
+    before_http = _counts(gateways)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        texts = list(pool.map(_complete_over_http, [gateways[0].http_url] * 24))
+        texts = list(pool.map(complete_over_http, [gateways[0].http_url] * 24))
     assert texts == [text] * 24
-    served_http = [_requests_served(g) - b for g, b in zip(gateways, before_http, strict=True)]
+    served_http = [n - b for n, b in zip(_counts(gateways), before_http, strict=True)]
     assert sum(served_http) == 24 and min(served_http) >= 1, served_http
 
 
@@ -112,13 +72,11 @@ def test_the_other_process_serves_on_when_one_is_killed(
     replicas: tuple[Suite, list[Service]], tiny_model_dir: Path
 ) -> None:
     _, gateways = replicas
-    expected = _expected(tiny_model_dir)
+    expected, text = expected_greedy(tiny_model_dir)
     gateways[0].process.send_signal(signal.SIGKILL)
     gateways[0].process.wait(10)
-    before = _requests_served(gateways[1])
-    got = [_generate_on_new_connection(gateways[0].address) for _ in range(8)]
+    before = requests_served(gateways[1].metrics_url)
+    got = [generate_on_new_connection(gateways[0].address) for _ in range(8)]
     assert got == [expected] * 8
-    assert _complete_over_http(gateways[0].http_url) == reference.tokenizer(
-        tiny_model_dir
-    ).decode(expected, skip_special_tokens=True)  # type: ignore[attr-defined]
-    assert _requests_served(gateways[1]) - before == 9
+    assert complete_over_http(gateways[0].http_url) == text
+    assert requests_served(gateways[1].metrics_url) - before == 9
