@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +68,17 @@ def test_both_processes_serve_the_one_port_with_exact_tokens(
     assert texts == [text] * 24
     served_http = [n - b for n, b in zip(_counts(gateways), before_http, strict=True)]
     assert sum(served_http) == 24 and min(served_http) >= 1, served_http
+
+
+def test_without_reuse_port_a_third_process_cannot_take_the_port(
+    replicas: tuple[Suite, list[Service]],
+) -> None:
+    _, gateways = replicas
+    argv = [sys.executable, "-m", "gateway", "--port", str(gateways[0].port), "--insecure"]
+    argv += ["--http-port", "-1", "--scheduler", "127.0.0.1:1", "--registry", "127.0.0.1:1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    assert f"Failed to bind to address 127.0.0.1:{gateways[0].port}" in done.stderr
 
 
 def test_the_other_process_serves_on_when_one_is_killed(
