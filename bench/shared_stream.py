@@ -94,7 +94,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--tiny", action="store_true", help="a tiny random model (see above)")
+    parser.add_argument(
+        "--gateways",
+        type=int,
+        default=0,
+        help="instead: 1 against N gateway processes on one port, each over the engine "
+        "in-process (bench/gateway_count.py; with --tiny)",
+    )
     args = parser.parse_args()
+    if args.gateways:
+        if not args.tiny:
+            parser.error("--gateways runs on the tiny model: add --tiny")
+        from bench import gateway_count
+
+        widths = [int(s) for s in args.streams.split(",")]
+        gateway_count.main(widths, args.tokens, args.rounds, sorted({1, args.gateways}))
+        return
     widest = max(int(n) for n in args.streams.split(","))
     worker_args = ["--kv-cache-memory", "1GiB", "--dtype", "auto"]
     found: dict[tuple[str, int], list[dict[str, float]]] = {}

@@ -195,6 +195,7 @@ class ServiceRuntime:
         credentials: grpc.ServerCredentials | None = None,
         policy: Policy | None = None,
         health_port: int = -1,
+        reuse_port: bool = False,
     ) -> None:
         self.service_name = service_name
         # TLS on the main port (None: plaintext), and who may call what (None: anyone).
@@ -217,7 +218,9 @@ class ServiceRuntime:
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
-                ("grpc.so_reuseport", 0),
+                # 1: sibling processes share the port (several gateways); 0: a second
+                # process on a taken port fails to start instead of splitting the traffic.
+                ("grpc.so_reuseport", int(reuse_port)),
                 # Notice a peer that vanished without closing (a dead host): its streams end,
                 # so a restarted scheduler's Run stream is not refused for a ghost.
                 ("grpc.keepalive_time_ms", 20_000),

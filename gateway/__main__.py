@@ -130,6 +130,7 @@ async def serve(config: GatewayConfig, tls: Tls | None) -> None:
         max_message_bytes=config.max_body_bytes,
         credentials=public_credentials(config),
         health_port=config.health_port,
+        reuse_port=config.reuse_port,
     )
     catalog = ModelCatalog(config.registry, tls)
     tokenizers = TokenizerCache()
@@ -152,7 +153,11 @@ async def serve(config: GatewayConfig, tls: Tls | None) -> None:
         service, keys, config.max_body_bytes, metrics_registry, admin_keys, config.suite_state
     )
     public = (config.public_tls_cert, config.public_tls_key) if config.public_tls_cert else None
-    http = await start_http(edge, host, config.http_port, public) if config.http_port >= 0 else None
+    http = (
+        await start_http(edge, host, config.http_port, public, config.reuse_port)
+        if config.http_port >= 0
+        else None
+    )
     metrics_http = await start_metrics_http(metrics_registry, host, config.metrics_port)
 
     async def drain_http() -> None:

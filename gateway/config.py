@@ -38,6 +38,11 @@ class GatewayConfig(InternalLinkOptions, EdgeLimits):
         "", "content screen: 'deny-list' (built in) or a 'package.module:factory' entry point"
     )
     screen_config: str = option("", "JSON object passed to the screen's factory")
+    reuse_port: bool = option(
+        False,
+        "share --port and --http-port with sibling gateway processes (SO_REUSEPORT; the "
+        "kernel spreads connections); give each its own --metrics-port and --health-port",
+    )
     grace: float = option(30.0, "seconds in-flight streams get to finish on SIGTERM")
     scheduler_retry: float = option(
         15.0,

@@ -356,12 +356,17 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
 
 
 async def start_http(
-    edge: HttpEdge, host: str, port: int, tls: tuple[str, str] | None = None
+    edge: HttpEdge,
+    host: str,
+    port: int,
+    tls: tuple[str, str] | None = None,
+    reuse_port: bool = False,
 ) -> web.AppRunner:
     """Serves the HTTP edge; ``tls`` (certificate and key files, PEM) makes it HTTPS."""
     runner = web.AppRunner(edge.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port, ssl_context=_ssl_context(tls)).start()
+    site = web.TCPSite(runner, host, port, ssl_context=_ssl_context(tls), reuse_port=reuse_port)
+    await site.start()
     log.info("http listening", host=host, port=port, tls=tls is not None)
     return runner
 

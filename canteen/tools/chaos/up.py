@@ -43,7 +43,7 @@ class UpInjector:
         if child is None:
             names = ", ".join(c.name for c in state.children)
             raise RuntimeError(f"{target!r} is no child of this canteen up ({names})")
-        kind = "worker" if child.name.startswith("worker-") else child.name
+        kind = child.name.partition("-")[0]  # worker-1 is a worker, gateway-1 a gateway
         if kind != role:
             raise RuntimeError(f"{target!r} is the {kind}, not a {role}")
         return child

@@ -7,8 +7,9 @@ import asyncio
 import os
 import sys
 
+from canteen.tools.up.gateways import share_rate_limits
 from canteen.tools.up.launcher import Launcher
-from canteen.tools.up.layout import HTTP_OFFSET, SuiteLayout
+from canteen.tools.up.layout import HTTP_OFFSET, MAX_GATEWAYS, SuiteLayout
 from canteen.tools.up.state import state_path
 
 COMMAND = "up"
@@ -42,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=50051,
         help="gateway port; scheduler +1, registry +2, metrics +3..+5, HTTP "
-        f"+{HTTP_OFFSET}, workers +10.., worker metrics +74..",
+        f"+{HTTP_OFFSET}, workers +10.., worker metrics +74.., with --gateways N: "
+        "gateway health +138.., gateway metrics +146..",
     )
     up.add_argument(
         "--http-port",
@@ -51,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"OpenAI-compatible HTTP port (default: base port + {HTTP_OFFSET}; -1: off)",
     )
     up.add_argument("--workers", type=int, default=1, help="number of workers")
+    up.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help=f"gateway processes sharing the gateway's gRPC and HTTP ports (1..{MAX_GATEWAYS}; "
+        "each gets the per-key rate limits divided by this number)",
+    )
     up.add_argument(
         "--otlp-endpoint",
         default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", ""),
@@ -94,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         layout = SuiteLayout(
             base_port=args.base_port,
             num_workers=args.workers,
+            num_gateways=args.gateways,
             model=args.model,
             add_models=args.add_model,
             db=args.db,
@@ -108,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             registry_args=args.registry_arg,
             state_file=str(state_path()),
         )
+        share_rate_limits(layout.gateway_args, layout.num_gateways)  # refuses a bad value
     except ValueError as exc:
         print(f"canteen up: error: {exc}", file=sys.stderr, flush=True)
         return 2

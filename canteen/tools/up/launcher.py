@@ -169,18 +169,18 @@ class Launcher:
         self._changed.set()
 
     def _check_down(self, child: Supervised) -> None:
-        name = child.spec.name
-        if not child.spec.is_worker:
+        name, role = child.spec.name, child.spec.role
+        peers = [c for c in self.children if c.spec.role == role]
+        if len(peers) == 1 and role != "worker":
             self.fatal = f"{name} stays down and the suite cannot serve without it"
             return
-        workers = [c for c in self.children if c.spec.is_worker]
-        left = [c for c in workers if not c.is_down]
+        left = [c for c in peers if not c.is_down]
         if not left:
-            self.fatal = "every worker stays down: nothing can serve requests"
+            self.fatal = f"every {role} stays down: nothing can serve requests"
         else:
             say(
                 f"canteen: the suite carries on without {name} ({len(left)} of "
-                f"{len(workers)} workers left)"
+                f"{len(peers)} {role}s left)"
             )
 
     def _write_state(self) -> None:
@@ -215,6 +215,7 @@ class Launcher:
             "Canteen is ready:",
             f"  gateway   {lay.host}:{lay.port('gateway')}  (canteen.v1.Inference)",
             *http,
+            *self._gateway_lines(),
             f"  scheduler 127.0.0.1:{lay.port('scheduler')}",
             f"  registry  127.0.0.1:{lay.port('registry')}",
             *(f"  {n:<9} 127.0.0.1:{lay.port(n)}" for n in lay.names() if n.startswith("worker")),
@@ -225,3 +226,14 @@ class Launcher:
             "--insecure",
         ]
         print("\n".join(lines), flush=True)
+
+    def _gateway_lines(self) -> list[str]:
+        """One line per gateway process when several share the public ports."""
+        if self.layout.num_gateways == 1:
+            return []
+        return [
+            f"  {c.spec.name:<9} pid {c.state.pid}, health 127.0.0.1:{c.spec.health_port}  "
+            "(shares the gateway ports)"
+            for c in self.children
+            if c.spec.role == "gateway"
+        ]

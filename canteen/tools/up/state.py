@@ -34,6 +34,7 @@ class ChildState:
     name: str
     port: int
     metrics_port: int
+    health_port: int = -1  # its own health port when it shares ``port`` (gateway-i)
     pid: int | None = None
     state: str = "starting"
     restarts: int = 0  # times the supervisor started it again

@@ -42,7 +42,7 @@ class Supervised:
         self.spec, self.policy, self.env = spec, policy, env
         self.tls = None if spec.is_public else tls
         self.on_change, self.say, self.stop_grace = on_change, say, stop_grace
-        self.state = ChildState(spec.name, spec.port, spec.metrics_port)
+        self.state = ChildState(spec.name, spec.port, spec.metrics_port, spec.health_port)
         self.ever_ready = False
         self.process: asyncio.subprocess.Process | None = None
         self._exits = ExitLog(policy)
@@ -145,8 +145,11 @@ class Supervised:
         self.state.last_exit = describe_exit(process.returncode or 0)
 
     async def _follow_health(self, pid: int) -> None:
-        """Follows readiness (Health/Watch of the child's service) while the process runs."""
-        address = f"127.0.0.1:{self.spec.port}"
+        """Follows readiness (Health/Watch of the child's service) while the process runs.
+        A child sharing its gRPC port with siblings is asked on its own health port: on
+        the shared one the kernel may hand the call to a sibling."""
+        port = self.spec.health_port if self.spec.health_port >= 0 else self.spec.port
+        address = f"127.0.0.1:{port}"
         async with aio_channel(address, self.tls, self.spec.role) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             request = health_pb2.HealthCheckRequest(service=self.spec.service)
