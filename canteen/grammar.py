@@ -20,6 +20,7 @@ import llguidance
 import llguidance.hf
 
 from canteen.plan import Constraint
+from canteen.regex_dialect import ascii_classes
 
 T = TypeVar("T")
 
@@ -47,7 +48,7 @@ def grammar_text(constraint: Constraint) -> str:
         if constraint.kind == "json_schema":
             return matcher.grammar_from_json_schema(constraint.text, JSON_STYLE)
         if constraint.kind == "regex":
-            return matcher.grammar_from_regex(constraint.text)
+            return matcher.grammar_from_regex(ascii_classes(constraint.text))
         if constraint.kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
         if constraint.kind == "grammar":
