@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.tools import MAX_PARALLEL_CALLS
 from tests.integration.conftest import TinySuite
 
 HELLO = [{"role": "user", "content": "Hello there"}]
@@ -42,3 +43,70 @@ def test_regex_unicode_opt_in(client: openai.OpenAI) -> None:
     text = reply.choices[0].message.content
     assert len(text) == 3, text
     assert all(unicodedata.category(c) == "Nd" and not c.isascii() for c in text), text
+
+
+PING = {"type": "object", "properties": {}, "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "ping", "parameters": PING}},
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+]
+
+
+def test_a_named_function_is_called_exactly_once(client: openai.OpenAI) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(3):  # parallel_tool_calls is left at its default, true
+        reply = _chat(client, tools=TOOLS, tool_choice=named, seed=seed, max_tokens=200)
+        (choice,) = reply.choices
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+
+
+def test_required_calls_end_the_turn(client: openai.OpenAI) -> None:
+    # 340 tokens hold the longest answer the grammar allows (four weather calls: 279)
+    for seed in range(3):
+        reply = _chat(client, tools=TOOLS, tool_choice="required", seed=seed, max_tokens=340)
+        (choice,) = reply.choices
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+        assert 1 <= len(choice.message.tool_calls) <= MAX_PARALLEL_CALLS
+
+
+def test_required_calls_streamed_end_the_turn(client: openai.OpenAI) -> None:
+    chunks = list(
+        _chat(client, tools=TOOLS, tool_choice="required", seed=1, max_tokens=340, stream=True)
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    named = [
+        call.function.name
+        for c in chunks
+        if c.choices
+        for call in c.choices[0].delta.tool_calls or ()
+        if call.function and call.function.name
+    ]
+    assert content == ""
+    assert finishes[-1] == "tool_calls"
+    assert 1 <= len(named) <= MAX_PARALLEL_CALLS
+
+
+def test_a_call_cut_by_max_tokens_is_no_content(client: openai.OpenAI) -> None:
+    for stream in (False, True):
+        kwargs = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 6, "stream": stream}
+        if stream:
+            chunks = [c for c in _chat(client, **kwargs) if c.choices]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            calls = [t for c in chunks for t in c.choices[0].delta.tool_calls or ()]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            (choice,) = _chat(client, **kwargs).choices
+            content = choice.message.content or ""
+            calls, finish = choice.message.tool_calls or [], choice.finish_reason
+        assert (finish, content, calls) == ("length", "", [])
