@@ -110,3 +110,19 @@ def test_a_call_cut_by_max_tokens_is_no_content(client: openai.OpenAI) -> None:
             content = choice.message.content or ""
             calls, finish = choice.message.tool_calls or [], choice.finish_reason
         assert (finish, content, calls) == ("length", "", [])
+
+
+def test_logprob_bytes_are_each_tokens_own(client: openai.OpenAI) -> None:
+    # the choice forces the answer's bytes; the tiny vocabulary spells these characters byte
+    # by byte, so some tokens hold part of a character (their text alone is U+FFFD)
+    word = "日本é"
+    for stream in (False, True):
+        kwargs = {"logprobs": True, "top_logprobs": 2, "stream": stream}
+        reply = _chat(client, extra_body={"guided_choice": [word]}, **kwargs)
+        choices = [c.choices[0] for c in reply if c.choices] if stream else reply.choices
+        tokens = [t for c in choices if c.logprobs for t in c.logprobs.content or ()]
+        assert b"".join(bytes(t.bytes) for t in tokens) == word.encode()
+        assert any(t.token == "\ufffd" for t in tokens)  # a byte-level token was among them
+        for t in tokens:
+            for top in t.top_logprobs:
+                assert top.bytes is not None and len(top.bytes) >= 1
