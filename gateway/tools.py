@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, NotRequired, Required, TypedDict
 
+from canteen.json_defaults import closed_objects
 from canteen.plan import Constraint, Sampling
 from gateway.errors import InvalidInputError, clip
 
@@ -208,11 +209,14 @@ def _call_schema(function: Function) -> dict[str, Any]:
         key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments
     }
     arguments.setdefault("type", "object")
-    return {
-        "x-guidance": _COMPACT,
-        "type": "object",
-        "properties": {"name": {"const": function.name}, "arguments": arguments},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        **hoisted,
-    }
+    closed: dict[str, Any] = closed_objects(
+        {
+            "x-guidance": _COMPACT,
+            "type": "object",
+            "properties": {"name": {"const": function.name}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            **hoisted,
+        }
+    )
+    return closed

@@ -6,6 +6,7 @@ grammar: what the model may write is what the test checks.
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from typing import Any
@@ -126,3 +127,35 @@ def test_logprob_bytes_are_each_tokens_own(client: openai.OpenAI) -> None:
         for t in tokens:
             for top in t.top_logprobs:
                 assert top.bytes is not None and len(top.bytes) >= 1
+
+
+def _schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def test_a_schema_without_additional_properties_is_closed(client: openai.OpenAI) -> None:
+    # listed properties, no additionalProperties: only {} and {"a": "x"} may come out
+    schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}}
+    for seed in range(4):
+        reply = _chat(client, seed=seed, response_format=_schema_format(schema))
+        (choice,) = reply.choices
+        assert choice.finish_reason == "stop", choice.message.content
+        assert json.loads(choice.message.content) in ({}, {"a": "x"})
+
+
+def test_json_cut_by_max_tokens_says_length(client: openai.OpenAI) -> None:
+    # the shortest valid answer is longer than max_tokens: it is cut, and says so
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string", "minLength": 40}},
+        "required": ["a"],
+    }
+    reply = _chat(client, max_tokens=8, response_format=_schema_format(schema))
+    (choice,) = reply.choices
+    assert choice.finish_reason == "length"
+    with pytest.raises(ValueError):
+        json.loads(choice.message.content)
+    # the openai client's parse() refuses such an answer rather than parse it
+    with pytest.raises(openai.LengthFinishReasonError):
+        asked: Any = {"messages": HELLO, "response_format": _schema_format(schema)}
+        client.chat.completions.parse(model="tiny", max_tokens=8, **asked)
