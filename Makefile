@@ -67,6 +67,7 @@ bench: install
 	$(PY) bench/overload.py
 	$(PY) bench/decode_step.py
 	$(PY) bench/linears.py
+	$(PY) bench/structured.py
 	$(PY) bench/speculative.py
 	$(PY) bench/constrained.py
 	$(PY) bench/mtls.py

@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 import llguidance
 import llguidance.hf
 
+from canteen.json_defaults import closed_objects
 from canteen.plan import Constraint
+from canteen.regex_dialect import ascii_classes
 
 T = TypeVar("T")
 
@@ -45,9 +47,9 @@ def grammar_text(constraint: Constraint) -> str:
         if constraint.kind == "json_object":
             return matcher.grammar_from_json_schema({"type": "object"}, JSON_STYLE)
         if constraint.kind == "json_schema":
-            return matcher.grammar_from_json_schema(constraint.text, JSON_STYLE)
+            return matcher.grammar_from_json_schema(_closed(constraint.text), JSON_STYLE)
         if constraint.kind == "regex":
-            return matcher.grammar_from_regex(constraint.text)
+            return matcher.grammar_from_regex(ascii_classes(constraint.text))
         if constraint.kind == "choice":
             return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
         if constraint.kind == "grammar":
@@ -55,6 +57,16 @@ def grammar_text(constraint: Constraint) -> str:
     except ValueError as exc:
         raise ConstraintError(f"{constraint.kind}: {_short(str(exc))}") from None
     raise ConstraintError(f"constraint kind {constraint.kind!r} is not known")
+
+
+def _closed(schema_text: str) -> Any:
+    """The schema with the default of canteen/json_defaults.py; text that is not JSON goes to
+    the engine as it is, which names the error."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text
+    return closed_objects(schema)
 
 
 class GrammarCompiler:

@@ -212,18 +212,21 @@ class HttpEdge:
     def _token_logprobs(self, req: OpenAIRequest, delta: TextDelta) -> TokenLogprobs | None:
         if not req.logprobs:
             return None
-        texts = self.service.tokens.token_texts(delta.model, delta.token_ids)
+        tokens = self.service.tokens
+        texts = tokens.token_texts(delta.model, delta.token_ids)
+        raw = tokens.token_bytes(delta.model, delta.token_ids)
         tops = [
             list(
                 zip(
-                    self.service.tokens.token_texts(delta.model, [t for t, _ in top]),
+                    tokens.token_texts(delta.model, [t for t, _ in top]),
                     [p for _, p in top],
+                    tokens.token_bytes(delta.model, [t for t, _ in top]),
                     strict=True,
                 )
             )
             for top in delta.top_logprobs
         ] or [[] for _ in texts]
-        return TokenLogprobs(texts, delta.logprobs, tops)
+        return TokenLogprobs(texts, delta.logprobs, tops, raw)
 
     async def _stream(
         self, request: web.Request, req: OpenAIRequest, admitted: list[Admitted]

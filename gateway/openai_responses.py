@@ -26,11 +26,14 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One delta's tokens as text, their logprobs, and the alternatives as (text, logprob)."""
+    """One delta's tokens as text, their logprobs, the alternatives as (text, logprob,
+    bytes), and each token's own bytes: OpenAI's ``bytes`` are the token's raw bytes, so a
+    client can join the pieces of a character that no single token's text can show."""
 
     texts: list[str]
     logprobs: list[float]
-    tops: list[list[tuple[str, float]]]
+    tops: list[list[tuple[str, float, bytes]]]
+    raw: list[bytes]
 
 
 def logprobs_json(req: OpenAIRequest, lp: TokenLogprobs | None) -> dict[str, Any] | None:
@@ -42,18 +45,20 @@ def logprobs_json(req: OpenAIRequest, lp: TokenLogprobs | None) -> dict[str, Any
                 {
                     "token": text,
                     "logprob": logprob,
-                    "bytes": list(text.encode()),
+                    "bytes": list(raw),
                     "top_logprobs": [
-                        {"token": t, "logprob": p, "bytes": list(t.encode())} for t, p in top
+                        {"token": t, "logprob": p, "bytes": list(b)} for t, p, b in top
                     ],
                 }
-                for text, logprob, top in zip(lp.texts, lp.logprobs, lp.tops, strict=True)
+                for text, logprob, top, raw in zip(
+                    lp.texts, lp.logprobs, lp.tops, lp.raw, strict=True
+                )
             ]
         }
     return {
         "tokens": lp.texts,
         "token_logprobs": lp.logprobs,
-        "top_logprobs": [dict(top) for top in lp.tops],
+        "top_logprobs": [{t: p for t, p, _ in top} for top in lp.tops],
         "text_offset": [],
     }
 

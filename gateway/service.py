@@ -128,7 +128,8 @@ class InferenceService:
         status, cached = "CANCELLED", 0
         deltas = self._run(admitted, timeout, span)
         if inp.tools is not None and inp.tools.is_offered:
-            split = ToolStream(admitted.tokenizer.tool_format(inp.tools), inp.tools.names)
+            fmt, names = admitted.tokenizer.tool_format(inp.tools), inp.tools.names
+            split = ToolStream(fmt, names, is_forced=inp.tools.is_forced)
             deltas = with_tool_calls(deltas, split)
         try:
             async for delta in deltas:

@@ -113,6 +113,10 @@ class TokenEndpoints:
         tokenizer = self.admission.tokenizers.loaded(model_ref)
         return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
 
+    def token_bytes(self, model_ref: str, token_ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (for logprobs), from the already loaded tokenizer."""
+        return self.admission.tokenizers.loaded(model_ref).token_bytes(token_ids)
+
 
 def _tokenize(tokenizer: Tokenizer, prompt: object, messages: object) -> list[int]:
     try:

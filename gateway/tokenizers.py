@@ -62,6 +62,15 @@ class Tokenizer:
                 self._grammar = GrammarCompiler(self.hf)
             self._grammar.compile(constraint)
 
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (for logprobs): a byte-level token that is part of a
+        UTF-8 character gives that byte, where its decoded text would be U+FFFD."""
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = GrammarCompiler(self.hf)
+            engine = self._grammar.tokenizer
+        return [engine.decode_bytes([i]) for i in ids]
+
     def encode(self, text: str) -> list[int]:
         _check_unicode(text, "the text")
         if self._rust is not None:

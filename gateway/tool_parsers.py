@@ -138,11 +138,14 @@ class ToolStream:
     """Splits one answer into content, released as it streams, and calls, parsed at the end.
 
     Text that may open a call (a marker, or the start of one at the end of the text so far)
-    is held back; from the first marker on everything is buffered until ``finish``.
+    is held back; from the first marker on everything is buffered until ``finish``. With
+    ``is_forced`` (a grammar wrote the answer: ``required`` or a named function) the whole
+    answer is call markup, so none of it is content: a call cut short by ``max_tokens`` is
+    dropped, and only the calls that closed are returned.
     """
 
-    def __init__(self, fmt: CallFormat, names: frozenset[str]) -> None:
-        self._fmt, self._names = fmt, names
+    def __init__(self, fmt: CallFormat, names: frozenset[str], is_forced: bool = False) -> None:
+        self._fmt, self._names, self._is_forced = fmt, names, is_forced
         self._pending = ""  # held: it may be the start of a marker
         self._calls: str | None = None  # the text from the first marker on
         self._is_content = False  # at_start formats: the answer did not open with a marker
@@ -167,9 +170,12 @@ class ToolStream:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content still held, and the calls (empty when none parsed)."""
         if self._calls is None:
-            return self._release(len(self._pending)), []
+            held = self._release(len(self._pending))  # a forced answer cut inside its marker
+            return ("" if self._is_forced else held), []
         text, self._calls = self._calls, None
         content, calls = self._fmt.parse(text, self._names)
+        if self._is_forced:
+            return "", calls
         return (content if calls else text), calls
 
     def _push_at_start(self) -> str:

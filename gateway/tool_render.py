@@ -90,7 +90,9 @@ def tool_prompt(tools: ToolRequest) -> str:
         "required": "You must call at least one function.",
         "function": f"You must call the function {tools.function_name}.",
     }[tools.choice]
-    many = "one block per call" if tools.parallel else "at most one call"
+    many = "at most one call"
+    if tools.parallel and tools.choice != "function":
+        many = "one block per call"
     return (
         f"You can call these functions:\n{listed}\n\n"
         f"To call a function, answer with ({many}):\n"

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, NotRequired, Required, TypedDict
 
+from canteen.json_defaults import closed_objects
 from canteen.plan import Constraint, Sampling
 from gateway.errors import InvalidInputError, clip
 
@@ -26,6 +27,9 @@ ROLES = ("system", "user", "assistant", "tool")
 # separators OpenAI's own outputs use.
 _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# Calls one forced answer may hold with parallel_tool_calls: a model that prefers "another
+# call" to "end of turn" (a small one often does) stops here rather than at max_tokens.
+MAX_PARALLEL_CALLS = 4
 
 
 @dataclass(frozen=True)
@@ -174,9 +178,11 @@ def with_tool_constraint(sampling: Sampling, tools: ToolRequest | None) -> Sampl
 
 
 def call_grammar(tools: ToolRequest) -> str:
-    """An llguidance (Lark) grammar: one ``<tool_call>`` block, or several when parallel
-    calls are allowed, each holding ``{"name": ..., "arguments": ...}`` for an offered
-    function (only the named one for a named choice), its arguments matching the schema.
+    """An llguidance (Lark) grammar: one ``<tool_call>`` block, or for ``required`` with
+    parallel calls up to MAX_PARALLEL_CALLS of them, each holding ``{"name": ...,
+    "arguments": ...}`` for an offered function, its arguments matching the schema. A named
+    function is called exactly once. After a block closes the answer may end (end of
+    sequence); once the list is full it must.
 
         <tool_call>
         {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -185,8 +191,9 @@ def call_grammar(tools: ToolRequest) -> str:
     functions = [
         f for f in tools.functions if tools.choice != "function" or f.name == tools.function_name
     ]
+    many = tools.parallel and tools.choice == "required"
     lines = [
-        'start: tc ("\\n" tc)*' if tools.parallel else "start: tc",
+        f'start: tc ("\\n" tc){{0,{MAX_PARALLEL_CALLS - 1}}}' if many else "start: tc",
         f'tc: "{CALL_OPEN}\\n" call "\\n{CALL_CLOSE}"',
         "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
     ]
@@ -202,11 +209,14 @@ def _call_schema(function: Function) -> dict[str, Any]:
         key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments
     }
     arguments.setdefault("type", "object")
-    return {
-        "x-guidance": _COMPACT,
-        "type": "object",
-        "properties": {"name": {"const": function.name}, "arguments": arguments},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        **hoisted,
-    }
+    closed: dict[str, Any] = closed_objects(
+        {
+            "x-guidance": _COMPACT,
+            "type": "object",
+            "properties": {"name": {"const": function.name}, "arguments": arguments},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+            **hoisted,
+        }
+    )
+    return closed

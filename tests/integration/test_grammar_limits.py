@@ -20,6 +20,8 @@ SCHEMA = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
     "required": ["name", "age"],
+    # open, as JSON Schema has it (closed is the default): its lexer needs more fuel
+    "additionalProperties": True,
 }
 
 

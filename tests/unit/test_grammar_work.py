@@ -170,10 +170,11 @@ def test_a_grammar_over_a_limit_fails_alone_naming_the_limit(
     loaded: LoadedModel, tiny_model_dir: Path, options: GrammarOptions, engine_says: str, flag: str
 ) -> None:
     runner = ModelRunner(loaded, RunnerConfig(64, 8, 256, grammar=options))
-    schema = Constraint(
+    schema = Constraint(  # open, as JSON Schema has it (closed is the default): a bigger grammar
         "json_schema",
         '{"type":"object","properties":{"a":{"type":"integer"},"b":{"type":"string"},'
-        '"c":{"type":"array","items":{"type":"number"}}},"required":["a","b","c"]}',
+        '"c":{"type":"array","items":{"type":"number"}}},"required":["a","b","c"],'
+        '"additionalProperties":true}',
     )
     news = (
         _new(0, "big", PROMPT, Sampling(0.0, constraint=schema)),

@@ -26,7 +26,14 @@ from gateway.tool_parsers import (
     parse_llama3,
     parse_mistral,
 )
-from gateway.tools import ChatMessage, Function, ToolCall, ToolRequest, call_grammar
+from gateway.tools import (
+    MAX_PARALLEL_CALLS,
+    ChatMessage,
+    Function,
+    ToolCall,
+    ToolRequest,
+    call_grammar,
+)
 from tests.support.tiny_model import build_tokenizer
 
 WEATHER = {
@@ -190,6 +197,16 @@ def test_call_grammar_accepts_valid_calls_only(ll_tokenizer: Any) -> None:
     named_grammar = llguidance.grammar_from("grammar", call_grammar(named))
     assert _accepts(ll_tokenizer, named_grammar, time)
     assert not _accepts(ll_tokenizer, named_grammar, weather)
+    assert not _accepts(ll_tokenizer, named_grammar, time + "\n" + time)  # exactly one call
+
+
+def test_required_parallel_calls_are_bounded(ll_tokenizer: Any) -> None:
+    time = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    grammar = call_grammar(ToolRequest((Function("get_time"),), "required"))
+    checked = llguidance.grammar_from("grammar", grammar)
+    most = "\n".join([time] * MAX_PARALLEL_CALLS)
+    assert _accepts(ll_tokenizer, checked, most)
+    assert not _accepts(ll_tokenizer, checked, most + "\n" + time)
 
 
 def test_call_grammar_keeps_refs_to_the_parameters_defs(ll_tokenizer: Any) -> None:
