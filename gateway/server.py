@@ -133,6 +133,7 @@ def input_from_pb(
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
         disable_speculation=msg.disable_speculation,
+        stream_interval=msg.stream_interval,
     )
 
 
