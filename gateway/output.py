@@ -71,13 +71,14 @@ class Output:
 
     def push(self, msg: scheduler_pb2.ScheduleResponse) -> TextDelta:
         """The delta for ``msg``; finish_reason is set when the stream ends with it."""
-        kept, text = self._text_of(list(msg.token_ids))
+        ids = list(msg.token_ids)  # each protobuf field read once: reads cost on this path
+        kept, text = self._text_of(ids)
         self.num_tokens += kept
-        delta = _delta(msg, text, self._model_ref, kept)
-        finish = finish_from_pb(msg.finish_reason)
+        delta = _delta(msg, ids, text, self._model_ref, kept)
+        finish = finish_from_pb(msg.finish_reason) if msg.finish_reason else None
         if finish is not None and not self._stops.is_stopped:
-            delta.text += self._stops.push(self._detok.flush())
-            delta.text += self._stops.flush()
+            rest = self._detok.flush()
+            delta.text += self._stops.push(rest) + self._stops.flush() if self._has_stops else rest
         if self._screen is not None and self._screen.push(delta.text) is not None:
             log.info("output cut by the content screen", reason=self._screen.reason)
             # Nothing of the cut text leaves: no text, no token ids, no logprobs.
@@ -94,7 +95,9 @@ class Output:
         tokens (a stream interval) is matched token by token against the stop strings, so
         that the tokens after the one that completed a stop string are dropped, exactly as
         when each token came alone."""
-        if not self._has_stops or len(ids) <= 1:
+        if not self._has_stops:
+            return len(ids), self._detok.push(ids)
+        if len(ids) <= 1:
             return len(ids), self._stops.push(self._detok.push(ids))
         text = ""
         for i, token in enumerate(ids):
@@ -132,14 +135,15 @@ async def with_tool_calls(
         yield delta
 
 
-def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str, kept: int) -> TextDelta:
-    """The delta of ``msg``'s first ``kept`` tokens."""
-    return TextDelta(
-        text,
-        list(msg.token_ids[:kept]),
-        model_ref,
-        logprobs=list(msg.logprobs[:kept]),
-        top_logprobs=[
+def _delta(
+    msg: scheduler_pb2.ScheduleResponse, ids: list[int], text: str, model_ref: str, kept: int
+) -> TextDelta:
+    """The delta of the first ``kept`` of ``msg``'s tokens ``ids``."""
+    delta = TextDelta(text, ids if kept == len(ids) else ids[:kept], model_ref)
+    if msg.logprobs:
+        delta.logprobs = list(msg.logprobs[:kept])
+    if msg.top_logprobs:
+        delta.top_logprobs = [
             list(zip(top.token_ids, top.logprobs, strict=True)) for top in msg.top_logprobs[:kept]
-        ],
-    )
+        ]
+    return delta
