@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from canteen.finish import Finish
 from canteen.v1 import common_pb2, scheduler_pb2
+from gateway.config import GatewayConfig
 from gateway.output import Output, TextDelta
 from gateway.tokenizers import Tokenizer
 from scheduler.sequence import SeqEvent
@@ -102,3 +105,10 @@ def test_a_stop_string_inside_an_entry_keeps_exactly_the_tokens_one_at_a_time_wo
     for interval in (1, 3, 4):
         text, joined, _, finish, _ = seen(_run(ids, interval, []))
         assert (text, joined, finish) == (full, ids, Finish.LENGTH)
+
+
+def test_the_gateway_default_is_bounded_like_the_field() -> None:
+    assert GatewayConfig(stream_interval=64).stream_interval == 64
+    for bad in (0, 65):
+        with pytest.raises(ValueError, match=f"^stream_interval={bad}: must be in 1..64$"):
+            GatewayConfig(stream_interval=bad)
