@@ -8,10 +8,15 @@ either side). Prints one JSON line per run, in the order they ran: tokens per se
 CPU microseconds per generated token of the scheduler and of that run's gateway. The client
 runs at nice 19 in its own process.
 
+``--stream-interval N`` starts both gateways with that default stream interval (tokens per
+message after a request's first; the shared stream honours it, a per-request stream sends
+every step). ``--modes shared`` runs one side only.
+
 ``--tiny`` serves a tiny random model (steps of about a millisecond, the regime of a GPU
 worker, where the edge services bound the suite); the default is SmolLM2 on the CPU.
 
 Usage: python bench/shared_stream.py [--streams 16,32] [--tokens 64] [--rounds 2] [--tiny]
+       [--stream-interval 1] [--modes shared,per-request]
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ MODES = ("shared", "per-request")
 
 @contextlib.contextmanager
 def two_gateways(
-    workdir: Path, tiny: bool, worker_args: list[str]
+    workdir: Path, tiny: bool, worker_args: list[str], modes: tuple[str, ...], interval: int
 ) -> Iterator[tuple[Service, dict[str, Service]]]:
     """The scheduler, and a gateway per mode in front of it."""
     from canteen.models import DEFAULT_MODEL_NAME
@@ -54,9 +59,12 @@ def two_gateways(
         scheduler = suite.start_scheduler(registry)
         suite.start_worker(registry, "tiny" if tiny else DEFAULT_MODEL_NAME, *worker_args)
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 120, role="scheduler")
+        flags = ("--stream-interval", str(interval))
         gateways = {
-            mode: suite.start_gateway(registry, scheduler, "--scheduler-stream", mode, name=mode)
-            for mode in MODES
+            mode: suite.start_gateway(
+                registry, scheduler, "--scheduler-stream", mode, *flags, name=mode
+            )
+            for mode in modes
         }
         yield scheduler, gateways
     finally:
@@ -101,6 +109,8 @@ def main() -> None:
         help="instead: 1 against N gateway processes on one port, each over the engine "
         "in-process (bench/gateway_count.py; with --tiny)",
     )
+    parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
     if args.gateways:
         if not args.tiny:
@@ -110,37 +120,42 @@ def main() -> None:
         widths = [int(s) for s in args.streams.split(",")]
         gateway_count.main(widths, args.tokens, args.rounds, sorted({1, args.gateways}))
         return
+    modes = tuple(args.modes.split(","))
     widest = max(int(n) for n in args.streams.split(","))
     worker_args = ["--kv-cache-memory", "1GiB", "--dtype", "auto"]
     found: dict[tuple[str, int], list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        with two_gateways(Path(tmp), args.tiny, worker_args) as (scheduler, gateways):
+        setup = two_gateways(Path(tmp), args.tiny, worker_args, modes, args.stream_interval)
+        with setup as (scheduler, gateways):
             client = NicedClient()
-            for mode in MODES:  # warm both: tokenizer, channels, the shared stream
+            for mode in modes:  # warm both: tokenizer, channels, the shared stream
                 client.run(gateways[mode].address, questions(widest, f"warm-{mode}"), 16)
             for r in range(args.rounds):
-                order = MODES if r % 2 == 0 else MODES[::-1]
+                order = modes if r % 2 == 0 else modes[::-1]
                 for streams in (int(s) for s in args.streams.split(",")):
                     for mode in order:
                         tag = f"r{r}-{mode}"
                         row = run(client, scheduler, gateways[mode], streams, args.tokens, tag)
                         found.setdefault((mode, streams), []).append(row)
-                        print(json.dumps({"round": r, "mode": mode, "streams": streams, **row}))
+                        line = {"round": r, "mode": mode, "streams": streams, **row}
+                        print(json.dumps({**line, "stream_interval": args.stream_interval}))
             client.close()
     for streams in (int(s) for s in args.streams.split(",")):
-        medians = {mode: median_row(found[(mode, streams)]) for mode in MODES}
-        shared, own = medians["shared"], medians["per-request"]
-        print(
-            json.dumps(
-                {
-                    "streams": streams,
-                    "median_tok_s": {m: medians[m]["tok_s"] for m in MODES},
-                    "shared_over_per_request": round(shared["tok_s"] / own["tok_s"], 3),
-                    "scheduler_us": {m: medians[m]["scheduler_us"] for m in MODES},
-                    "gateway_us": {m: medians[m]["gateway_us"] for m in MODES},
-                }
-            )
-        )
+        medians = {mode: median_row(found[(mode, streams)]) for mode in modes}
+        summary: dict[str, object] = {
+            "streams": streams,
+            "stream_interval": args.stream_interval,
+            "median_tok_s": {m: medians[m]["tok_s"] for m in modes},
+            "scheduler_us": {m: medians[m]["scheduler_us"] for m in modes},
+            "gateway_us": {m: medians[m]["gateway_us"] for m in modes},
+            "edge_us": {
+                m: round(medians[m]["scheduler_us"] + medians[m]["gateway_us"], 1) for m in modes
+            },
+        }
+        if set(MODES) <= set(modes):
+            ratio = medians["shared"]["tok_s"] / medians["per-request"]["tok_s"]
+            summary["shared_over_per_request"] = round(ratio, 3)
+        print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ MAX_TOP_LOGPROBS = 20  # most alternatives a sequence may ask for per token
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; hotter sampling is noise
 MAX_TOP_K = 1 << 20  # far above any vocabulary; keeps the value an int32
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000  # higher runs first; keys may cap it lower
+MAX_STREAM_INTERVAL = 64  # most tokens a streamed message may gather (1 = each its own)
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5

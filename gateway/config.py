@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from canteen.config import check_bounds, option, require
 from canteen.metrics import METRICS_PORT_HELP
+from canteen.plan import MAX_STREAM_INTERVAL
 from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
 from gateway.edge_limits import EdgeLimits
@@ -53,6 +54,11 @@ class GatewayConfig(InternalLinkOptions, EdgeLimits):
         "how tokens come from the scheduler: 'shared' (one stream for every request, one "
         "message per step) or 'per-request' (each request's own stream)",
     )
+    stream_interval: int = option(
+        1,
+        "tokens per streamed message for requests that do not set stream_interval, "
+        "1..64 (1: every token its own message; the first token always goes at once)",
+    )
     public_tls_cert: str = option("", "certificate (PEM) of the public gRPC and HTTP ports")
     public_tls_key: str = option("", "private key (PEM) of --public-tls-cert")
     allow_unauthenticated: bool = option(
@@ -94,6 +100,12 @@ class GatewayConfig(InternalLinkOptions, EdgeLimits):
             "scheduler_stream",
             self.scheduler_stream,
             "must be 'shared' or 'per-request'",
+        )
+        require(
+            1 <= self.stream_interval <= MAX_STREAM_INTERVAL,
+            "stream_interval",
+            self.stream_interval,
+            f"must be in 1..{MAX_STREAM_INTERVAL}",
         )
         require(
             self.cache_isolation in ("shared", "key"),

@@ -260,7 +260,14 @@ class HttpEdge:
         return response
 
     async def _merged(self, admitted: list[Admitted]) -> AsyncIterator[tuple[int, TextDelta, bool]]:
-        """Every choice's deltas as they come, tagged with the choice index."""
+        """Every choice's deltas as they come, tagged with the choice index. One choice
+        streams straight through: no task and no queue hop per chunk."""
+        if len(admitted) == 1:
+            first = True
+            async for delta in self.service.stream(admitted[0], None):
+                yield 0, delta, first
+                first = False
+            return
         queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
 
         async def pump(index: int, one: Admitted) -> None:

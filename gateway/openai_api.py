@@ -105,6 +105,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options",
     "stop", "seed", "logprobs", "user", "ignore_eos", "priority", "disable_speculation",
+    "stream_interval",
 }  # fmt: skip
 _FIELDS = {
     "chat": _COMMON
@@ -235,6 +236,8 @@ def parse_request(kind: str, body: object, request_id: str) -> OpenAIRequest:
         ignore_eos=bool(_get(body, "ignore_eos", bool, False)),  # an extension, as in vLLM
         priority=_get(body, "priority", int, 0),  # an extension, as in vLLM; keys cap it
         disable_speculation=bool(_get(body, "disable_speculation", bool, False)),
+        # an extension, as in SGLang: tokens per streamed chunk (0: the gateway's default)
+        stream_interval=_get(body, "stream_interval", int, 0),
     )
     prompt = _prompt(body) if kind == "completion" else None
     messages = parse_messages(body.get("messages")) if kind == "chat" else None

@@ -63,6 +63,7 @@ class Output:
         num_prompt_tokens: int,
     ) -> None:
         self._detok, self._stops = IncrementalDetokenizer(tokenizer), StopMatcher(stop)
+        self._has_stops = any(stop)
         self._screen = StreamScreen(screen) if screen is not None else None
         self._model_ref = model_ref
         self._num_prompt_tokens = num_prompt_tokens
@@ -70,13 +71,14 @@ class Output:
 
     def push(self, msg: scheduler_pb2.ScheduleResponse) -> TextDelta:
         """The delta for ``msg``; finish_reason is set when the stream ends with it."""
-        self.num_tokens += len(msg.token_ids)
-        text = self._stops.push(self._detok.push(list(msg.token_ids)))
-        delta = _delta(msg, text, self._model_ref)
-        finish = finish_from_pb(msg.finish_reason)
+        ids = list(msg.token_ids)  # each protobuf field read once: reads cost on this path
+        kept, text = self._text_of(ids)
+        self.num_tokens += kept
+        delta = _delta(msg, ids, text, self._model_ref, kept)
+        finish = finish_from_pb(msg.finish_reason) if msg.finish_reason else None
         if finish is not None and not self._stops.is_stopped:
-            delta.text += self._stops.push(self._detok.flush())
-            delta.text += self._stops.flush()
+            rest = self._detok.flush()
+            delta.text += self._stops.push(rest) + self._stops.flush() if self._has_stops else rest
         if self._screen is not None and self._screen.push(delta.text) is not None:
             log.info("output cut by the content screen", reason=self._screen.reason)
             # Nothing of the cut text leaves: no text, no token ids, no logprobs.
@@ -87,6 +89,22 @@ class Output:
         if finish is not None:
             return self._end(delta, finish, msg.usage)
         return delta
+
+    def _text_of(self, ids: list[int]) -> tuple[int, str]:
+        """The text ``ids`` release, and how many of them count: a message of several
+        tokens (a stream interval) is matched token by token against the stop strings, so
+        that the tokens after the one that completed a stop string are dropped, exactly as
+        when each token came alone."""
+        if not self._has_stops:
+            return len(ids), self._detok.push(ids)
+        if len(ids) <= 1:
+            return len(ids), self._stops.push(self._detok.push(ids))
+        text = ""
+        for i, token in enumerate(ids):
+            text += self._stops.push(self._detok.push((token,)))
+            if self._stops.is_stopped:
+                return i + 1, text
+        return len(ids), text
 
     def _end(self, delta: TextDelta, finish: Finish, counted: common_pb2.Usage | None) -> TextDelta:
         """``delta`` as the last, with the request's usage: the scheduler's count when it
@@ -117,13 +135,15 @@ async def with_tool_calls(
         yield delta
 
 
-def _delta(msg: scheduler_pb2.ScheduleResponse, text: str, model_ref: str) -> TextDelta:
-    return TextDelta(
-        text,
-        list(msg.token_ids),
-        model_ref,
-        logprobs=list(msg.logprobs),
-        top_logprobs=[
-            list(zip(top.token_ids, top.logprobs, strict=True)) for top in msg.top_logprobs
-        ],
-    )
+def _delta(
+    msg: scheduler_pb2.ScheduleResponse, ids: list[int], text: str, model_ref: str, kept: int
+) -> TextDelta:
+    """The delta of the first ``kept`` of ``msg``'s tokens ``ids``."""
+    delta = TextDelta(text, ids if kept == len(ids) else ids[:kept], model_ref)
+    if msg.logprobs:
+        delta.logprobs = list(msg.logprobs[:kept])
+    if msg.top_logprobs:
+        delta.top_logprobs = [
+            list(zip(top.token_ids, top.logprobs, strict=True)) for top in msg.top_logprobs[:kept]
+        ]
+    return delta

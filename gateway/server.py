@@ -133,6 +133,7 @@ def input_from_pb(
         ignore_eos=msg.ignore_eos,
         priority=msg.priority,
         disable_speculation=msg.disable_speculation,
+        stream_interval=msg.stream_interval,
     )
 
 
@@ -158,6 +159,30 @@ def _usage_to_pb(delta: TextDelta) -> common_pb2.Usage | None:
         completion_tokens=u.completion_tokens,
         cached_tokens=u.cached_tokens,
     )
+
+
+def response_of(request_id: str, delta: TextDelta) -> inference_pb2.GenerateResponse:
+    """One Generate message; only the fields the delta has are set (every field set costs
+    on the per-token path)."""
+    response = inference_pb2.GenerateResponse(
+        id=request_id,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        model=delta.model,
+        logprobs=delta.logprobs,
+    )
+    if delta.finish_reason is not None:
+        response.finish_reason = finish_to_pb(delta.finish_reason)
+    if (usage := _usage_to_pb(delta)) is not None:
+        response.usage.CopyFrom(usage)
+    if delta.top_logprobs:
+        response.top_logprobs.extend(
+            common_pb2.TopLogprobs(token_ids=[t for t, _ in top], logprobs=[p for _, p in top])
+            for top in delta.top_logprobs
+        )
+    if delta.tool_calls:
+        response.tool_calls.extend(_calls_to_pb(delta.tool_calls))
+    return response
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -198,22 +223,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         request_id = ""
         async for delta in self._stream(request, context):
             request_id = request_id or str(structlog.contextvars.get_contextvars()["request_id"])
-            yield inference_pb2.GenerateResponse(
-                id=request_id,
-                text=delta.text,
-                token_ids=delta.token_ids,
-                model=delta.model,
-                finish_reason=finish_to_pb(delta.finish_reason),
-                usage=_usage_to_pb(delta),
-                logprobs=delta.logprobs,
-                top_logprobs=[
-                    common_pb2.TopLogprobs(
-                        token_ids=[t for t, _ in top], logprobs=[p for _, p in top]
-                    )
-                    for top in delta.top_logprobs
-                ],
-                tool_calls=_calls_to_pb(delta.tool_calls),
-            )
+            yield response_of(request_id, delta)
 
     async def Complete(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext

@@ -46,10 +46,11 @@ log = get_logger(__name__)
 READY_CACHE_SECONDS = 1.0  # how long /v1/models and ListModels reuse the scheduler's answer
 
 
-def schedule_request(admitted: Admitted) -> scheduler_pb2.ScheduleRequest:
-    """What the scheduler is asked to run for an admitted request."""
+def schedule_request(admitted: Admitted, stream_interval: int = 1) -> scheduler_pb2.ScheduleRequest:
+    """What the scheduler is asked to run for an admitted request; ``stream_interval``:
+    the gateway's default for a request that sets none."""
     inp, model = admitted.inp, admitted.model
-    return request_to_pb(
+    request = request_to_pb(
         Request(
             request_id=inp.request_id,
             model=model.name,
@@ -64,6 +65,8 @@ def schedule_request(admitted: Admitted) -> scheduler_pb2.ScheduleRequest:
             disable_speculation=inp.disable_speculation,
         )
     )
+    request.stream_interval = inp.stream_interval or stream_interval
+    return request
 
 
 class InferenceService:
@@ -152,7 +155,7 @@ class InferenceService:
         self, admitted: Admitted, timeout: float | None, span: Span
     ) -> AsyncIterator[TextDelta]:
         inp, model, ids = admitted.inp, admitted.model, admitted.ids
-        request = schedule_request(admitted)
+        request = schedule_request(admitted, self.config.stream_interval)
         log.info(
             "request accepted",
             trace_id=trace_id_of(span),

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from canteen.plan import Sampling
+from canteen.plan import MAX_STREAM_INTERVAL, Sampling
 from gateway.edge_limits import EdgeLimits
 from gateway.errors import InvalidInputError
 from gateway.tools import ChatMessage, ToolRequest, check_role
@@ -38,6 +38,7 @@ class GenerateInput:
     ignore_eos: bool = False
     priority: int = 0
     disable_speculation: bool = False
+    stream_interval: int = 0  # tokens per streamed message; 0: the gateway's default
     traceparent: str = ""  # the caller's W3C trace context, if it sent one
     arrival: float = field(default_factory=time.monotonic)
     # Functions the model may call (chat only); a forced choice's grammar is in sampling.
@@ -65,6 +66,12 @@ def check_shape(inp: GenerateInput, c: EdgeLimits, is_schema_checked: bool = Fal
     if c.max_output_tokens and inp.max_tokens is not None and inp.max_tokens > c.max_output_tokens:
         raise InvalidInputError(
             f"max_tokens={inp.max_tokens}: the limit is {c.max_output_tokens} (--max-output-tokens)"
+        )
+    if not 0 <= inp.stream_interval <= MAX_STREAM_INTERVAL:
+        raise InvalidInputError(
+            f"stream_interval={inp.stream_interval}: must be in 1..{MAX_STREAM_INTERVAL}"
+            " (0 or unset: the gateway's default)",
+            param="stream_interval",
         )
     if not inp.is_sampling_checked and (problem := inp.sampling.problem()) is not None:
         raise InvalidInputError(problem)

@@ -9,6 +9,7 @@ import structlog
 
 from canteen.codec import request_from_pb, response_to_pb
 from canteen.finish import Finish
+from canteen.plan import MAX_STREAM_INTERVAL
 from canteen.tracing import context_from_metadata
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.service import (
@@ -69,14 +70,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _feed(
         self, request: scheduler_pb2.ScheduleRequest, peer: str
-    ) -> tuple[Subscription, int] | None:
+    ) -> tuple[Subscription, int, int] | None:
+        interval = request.stream_interval
+        if not 0 <= interval <= MAX_STREAM_INTERVAL:
+            raise InvalidRequestError(
+                f"stream_interval={interval}: must be in 0..{MAX_STREAM_INTERVAL}"
+            )
         if not request.subscription_id:
             if request.stream_tag:
                 raise InvalidRequestError("stream_tag needs subscription_id")
             return None
         if not request.stream_tag:
             raise InvalidRequestError("stream_tag is required with subscription_id")
-        return self._service.subscriptions.get(request.subscription_id, peer), request.stream_tag
+        subscription = self._service.subscriptions.get(request.subscription_id, peer)
+        return subscription, request.stream_tag, max(interval, 1)
 
     async def Subscribe(
         self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext

@@ -92,17 +92,19 @@ class SchedulerService:
         self,
         params: Request,
         trace_context: Context | None = None,
-        feed: tuple[Subscription, int] | None = None,
+        feed: tuple[Subscription, int, int] | None = None,
     ) -> AsyncIterator[SeqEvent]:
         """Yields the sequence's events until it finishes; cancels it if the caller leaves.
-        With ``feed`` (a subscription and the request's tag on it), tokens go to the
-        subscription, and only the end comes here."""
+        With ``feed`` (a subscription, the request's tag on it and its stream interval),
+        tokens go to the subscription, and only the end comes here."""
         # A span, not a current-span context: the context must not span the yields.
         span = tracer.start_span("scheduler.generate", context=trace_context)
         try:
             link, seq = self._admit(params, traceparent_of(span))
             queue: asyncio.Queue[SeqEvent] = asyncio.Queue()
-            sink: EventSink = queue if feed is None else feed[0].attach(feed[1], seq, queue)
+            sink: EventSink = queue
+            if feed is not None:
+                sink = feed[0].attach(feed[1], seq, queue, feed[2])
         except Exception as exc:
             span.set_attribute("canteen.error", str(exc))
             span.end()

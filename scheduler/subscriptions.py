@@ -5,7 +5,9 @@ choosing. The worker link delivers a subscribed request's events to a ``TokenSin
 of the request's own queue: tokens, and the finish with them, go to the subscription's next
 batch, where events of one step for every attached request become one message; the request's
 own queue gets a token-less event at its first token (its queue time is then known) and
-then only the end (finish or failure), which ends its Generate call. A per-request
+then only the end (finish or failure), which ends its Generate call. With a stream interval
+N > 1 the sink holds a request's tokens after its first until N have gathered (or it
+finishes), so that they ride one entry instead of N. A per-request
 stream costs a message, a write and a wakeup per token; here a step costs one of each per
 gateway. A subscription belongs to the connection that opened it: a call on any other
 connection cannot attach to it (nor learn that it exists).
@@ -44,14 +46,15 @@ class Subscription:
         self._ready = asyncio.Event()
         self._ends: dict[int, tuple[Sequence, EventSink]] = {}  # tag -> (seq, its own queue)
 
-    def attach(self, tag: int, seq: Sequence, own: EventSink) -> TokenSink:
-        """A sink for the request tagged ``tag``; its end also goes to ``own``."""
+    def attach(self, tag: int, seq: Sequence, own: EventSink, interval: int = 1) -> TokenSink:
+        """A sink for the request tagged ``tag``; its end also goes to ``own``; tokens after
+        the first go in entries of ``interval`` tokens."""
         if self.is_closed:
             raise SubscriptionError(f"subscription_id {self.id!r} is closed")
         if tag in self._ends:
             raise SubscriptionError(f"stream_tag {tag} is already in use on this subscription")
         self._ends[tag] = (seq, own)
-        return TokenSink(self, tag, own)
+        return TokenSink(self, tag, own, interval)
 
     def detach(self, tag: int) -> None:
         self._ends.pop(tag, None)
@@ -88,13 +91,23 @@ class TokenSink:
     """A subscribed request's events: tokens and the finish to the subscription, the end
     (finish or failure) to the request's own queue."""
 
-    def __init__(self, subscription: Subscription, tag: int, own: EventSink) -> None:
+    def __init__(
+        self, subscription: Subscription, tag: int, own: EventSink, interval: int = 1
+    ) -> None:
         self._subscription, self._tag, self._own = subscription, tag, own
         self._is_first = True
+        self._interval = interval
+        self._held: SeqEvent | None = None  # tokens gathered toward the next entry
 
     def put_nowait(self, event: SeqEvent, /) -> None:
         if not event.token_ids and event.finish is None:
             return
+        if self._interval > 1 and not self._is_first and event.finish is not Finish.FAILED:
+            event = event if self._held is None else self._held.then(event)
+            if event.finish is None and len(event.token_ids) < self._interval:
+                self._held = event
+                return
+            self._held = None
         if event.finish is not Finish.FAILED:
             self._subscription.push(self._tag, event, self._is_first)
             if self._is_first and event.finish is None:

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from canteen.v1 import common_pb2 as canteen_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/inference.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.canteen.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.canteen.v1.ChatMessage\"\xce\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12*\n\nconstraint\x18\x0e \x01(\x0b\x32\x16.canteen.v1.Constraint\x12\x1f\n\x05tools\x18\x0f \x03(\x0b\x32\x10.canteen.v1.Tool\x12+\n\x0btool_choice\x18\x10 \x01(\x0e\x32\x16.canteen.v1.ToolChoice\x12\x15\n\rtool_function\x18\x11 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x12 \x01(\x08H\x05\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x13 \x01(\x08\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_parallel_tool_calls\"\x8c\x02\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.canteen.v1.ToolCall\"\xcb\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.canteen.v1.ToolCall\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x10\n\x08is_ready\x18\x04 \x01(\x08\"R\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.canteen.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"i\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"1\n\x12\x44\x65tokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t*\x89\x01\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04\x32\xfc\x02\n\tInference\x12G\n\x08Generate\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.canteen.v1.ListModelsRequest\x1a\x1e.canteen.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.canteen.v1.TokenizeRequest\x1a\x1c.canteen.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.canteen.v1.DetokenizeRequest\x1a\x1e.canteen.v1.DetokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/inference.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"l\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.canteen.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.canteen.v1.ChatMessage\"\xe7\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05top_k\x18\x07 \x01(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12*\n\nconstraint\x18\x0e \x01(\x0b\x32\x16.canteen.v1.Constraint\x12\x1f\n\x05tools\x18\x0f \x03(\x0b\x32\x10.canteen.v1.Tool\x12+\n\x0btool_choice\x18\x10 \x01(\x0e\x32\x16.canteen.v1.ToolChoice\x12\x15\n\rtool_function\x18\x11 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x12 \x01(\x08H\x05\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x13 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x14 \x01(\x05\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_parallel_tool_calls\"\x8c\x02\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.canteen.v1.ToolCall\"\xcb\x01\n\x10\x43ompleteResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12(\n\ntool_calls\x18\x07 \x03(\x0b\x32\x14.canteen.v1.ToolCall\"\x13\n\x11ListModelsRequest\"S\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x10\n\x08is_ready\x18\x04 \x01(\x08\"R\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.canteen.v1.ModelInfo\x12\x15\n\rdefault_model\x18\x02 \x01(\t\"i\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.canteen.v1.ChatMessagesH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"5\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"1\n\x12\x44\x65tokenizeResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t*\x89\x01\n\nToolChoice\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x01\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04\x32\xfc\x02\n\tInference\x12G\n\x08Generate\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.canteen.v1.GenerateRequest\x1a\x1c.canteen.v1.CompleteResponse\x12K\n\nListModels\x12\x1d.canteen.v1.ListModelsRequest\x1a\x1e.canteen.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.canteen.v1.TokenizeRequest\x1a\x1c.canteen.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.canteen.v1.DetokenizeRequest\x1a\x1e.canteen.v1.DetokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'canteen.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLCHOICE']._serialized_start=1894
-  _globals['_TOOLCHOICE']._serialized_end=2031
+  _globals['_TOOLCHOICE']._serialized_start=1919
+  _globals['_TOOLCHOICE']._serialized_end=2056
   _globals['_CHATMESSAGE']._serialized_start=67
   _globals['_CHATMESSAGE']._serialized_end=175
   _globals['_TOOL']._serialized_start=177
@@ -43,25 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=307
   _globals['_CHATMESSAGES']._serialized_end=364
   _globals['_GENERATEREQUEST']._serialized_start=367
-  _globals['_GENERATEREQUEST']._serialized_end=957
-  _globals['_GENERATERESPONSE']._serialized_start=960
-  _globals['_GENERATERESPONSE']._serialized_end=1228
-  _globals['_COMPLETERESPONSE']._serialized_start=1231
-  _globals['_COMPLETERESPONSE']._serialized_end=1434
-  _globals['_LISTMODELSREQUEST']._serialized_start=1436
-  _globals['_LISTMODELSREQUEST']._serialized_end=1455
-  _globals['_MODELINFO']._serialized_start=1457
-  _globals['_MODELINFO']._serialized_end=1540
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1542
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1624
-  _globals['_TOKENIZEREQUEST']._serialized_start=1626
-  _globals['_TOKENIZEREQUEST']._serialized_end=1731
-  _globals['_TOKENIZERESPONSE']._serialized_start=1733
-  _globals['_TOKENIZERESPONSE']._serialized_end=1785
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1787
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1840
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1842
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1891
-  _globals['_INFERENCE']._serialized_start=2034
-  _globals['_INFERENCE']._serialized_end=2414
+  _globals['_GENERATEREQUEST']._serialized_end=982
+  _globals['_GENERATERESPONSE']._serialized_start=985
+  _globals['_GENERATERESPONSE']._serialized_end=1253
+  _globals['_COMPLETERESPONSE']._serialized_start=1256
+  _globals['_COMPLETERESPONSE']._serialized_end=1459
+  _globals['_LISTMODELSREQUEST']._serialized_start=1461
+  _globals['_LISTMODELSREQUEST']._serialized_end=1480
+  _globals['_MODELINFO']._serialized_start=1482
+  _globals['_MODELINFO']._serialized_end=1565
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1567
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1649
+  _globals['_TOKENIZEREQUEST']._serialized_start=1651
+  _globals['_TOKENIZEREQUEST']._serialized_end=1756
+  _globals['_TOKENIZERESPONSE']._serialized_start=1758
+  _globals['_TOKENIZERESPONSE']._serialized_end=1810
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1812
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1865
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1867
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1916
+  _globals['_INFERENCE']._serialized_start=2059
+  _globals['_INFERENCE']._serialized_end=2439
 # @@protoc_insertion_point(module_scope)

@@ -197,6 +197,7 @@ class GenerateRequest(_message.Message):
     TOOL_FUNCTION_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     DISABLE_SPECULATION_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model name or alias; empty means the default model."""
     prompt: _builtins.str
@@ -226,6 +227,13 @@ class GenerateRequest(_message.Message):
     disable_speculation: _builtins.bool
     """Never verify draft tokens for this request (speculative decoding changes no token, only
     the speed; this is for measuring and for isolating a problem).
+    """
+    stream_interval: _builtins.int
+    """Tokens per streamed message, 1..64: the scheduler sends this request's tokens in one
+    message per stream_interval tokens (or at the finish), and the gateway writes one chunk
+    per message; the first token always goes at once. 0 (unset): the gateway's
+    --stream-interval (default 1, every token its own message). The text and token ids are
+    the same for every interval.
     """
     @_builtins.property
     def messages(self) -> Global___ChatMessages:
@@ -272,10 +280,11 @@ class GenerateRequest(_message.Message):
         tool_function: _builtins.str = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
         disable_speculation: _builtins.bool = ...,
+        stream_interval: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_parallel_tool_calls", b"_parallel_tool_calls", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "constraint", b"constraint", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "input", b"input", "max_tokens", b"max_tokens", "messages", b"messages", "model", b"model", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval", "temperature", b"temperature", "tool_choice", b"tool_choice", "tool_function", b"tool_function", "tools", b"tools", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015

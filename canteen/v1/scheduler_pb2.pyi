@@ -38,6 +38,7 @@ class ScheduleRequest(_message.Message):
     DISABLE_SPECULATION_FIELD_NUMBER: _builtins.int
     SUBSCRIPTION_ID_FIELD_NUMBER: _builtins.int
     STREAM_TAG_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request label (x-request-id): logged and echoed, never used as a key. The
     scheduler makes its own unique sequence id for every request.
@@ -67,6 +68,10 @@ class ScheduleRequest(_message.Message):
     """The caller's key for this request on the subscription (unique among its open requests);
     copied into every ScheduleResponse of it. Required with subscription_id.
     """
+    stream_interval: _builtins.int
+    """With subscription_id: send this request's tokens in one entry per stream_interval tokens
+    (or at the finish); its first token goes at once. 0 or 1: every step's tokens at once.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids."""
@@ -95,10 +100,11 @@ class ScheduleRequest(_message.Message):
         disable_speculation: _builtins.bool = ...,
         subscription_id: _builtins.str = ...,
         stream_tag: _builtins.int = ...,
+        stream_interval: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "stream_tag", b"stream_tag", "subscription_id", b"subscription_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval", "stream_tag", b"stream_tag", "subscription_id", b"subscription_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

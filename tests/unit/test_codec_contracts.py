@@ -198,7 +198,12 @@ ONE_SIDED = [
         {"forward_ns", "sample_ns", "total_ns"},
         {"timings"},
     ),
-    (Request, scheduler_pb2.ScheduleRequest, {"deadline"}, {"subscription_id", "stream_tag"}),
+    (
+        Request,
+        scheduler_pb2.ScheduleRequest,
+        {"deadline"},
+        {"subscription_id", "stream_tag", "stream_interval"},
+    ),
     (Usage, common_pb2.Usage, set(), set()),
     (
         SeqEvent,
