@@ -28,7 +28,9 @@ from canteen.finish import Finish
 from canteen.plan import Constraint, NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.request import Request
 from canteen.v1 import common_pb2, scheduler_pb2, worker_pb2
+from scheduler.link import WorkerDescription, describe
 from scheduler.sequence import SeqEvent, Usage
+from scheduler.worker_limits import WORKER_INFO_BOUNDS
 
 INT32 = st.integers(0, 2**31 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
@@ -67,6 +69,25 @@ RESULT = st.builds(
     INT32,
     st.dictionaries(TEXT, INT32, max_size=3),
 )
+INT64 = st.integers(0, 2**63 - 1)
+DESCRIPTION = st.builds(
+    WorkerDescription,
+    TEXT,
+    TEXT,
+    TEXT,
+    TEXT,
+    INT32,
+    INT32,
+    INT32,
+    st.frozensets(INT32, max_size=4),
+    INT32,
+    INT32,
+    INT32,
+    INT64,
+    INT64,
+    INT64,
+    INT64,
+)
 REQUEST = st.builds(
     Request,
     request_id=TEXT,
@@ -102,6 +123,24 @@ def test_a_step_result_round_trips(result: domain.StepResult) -> None:
 def test_a_schedule_request_round_trips(request: Request) -> None:
     wire = request_to_pb(request).SerializeToString()
     assert request_from_pb(scheduler_pb2.ScheduleRequest.FromString(wire)) == request
+
+
+@settings(max_examples=200)
+@given(DESCRIPTION)
+def test_a_worker_description_round_trips(desc: WorkerDescription) -> None:
+    msg = to_pb(desc, worker_pb2.WorkerInfo, eos_token_ids=sorted(desc.eos_token_ids))
+    wire = msg.SerializeToString()
+    assert describe(worker_pb2.WorkerInfo.FromString(wire), desc.address) == desc
+
+
+def test_every_bounded_worker_number_is_in_the_description() -> None:
+    info = worker_pb2.WorkerInfo(
+        **{bound.field: i + 1 for i, bound in enumerate(WORKER_INFO_BOUNDS)}  # type: ignore[arg-type]
+    )
+    desc = describe(info, "127.0.0.1:9")
+    assert [getattr(desc, b.field) for b in WORKER_INFO_BOUNDS] == list(
+        range(1, len(WORKER_INFO_BOUNDS) + 1)
+    )
 
 
 def test_a_request_deadline_is_the_calls_time_left() -> None:
@@ -200,6 +239,12 @@ ONE_SIDED = [
     ),
     (Request, scheduler_pb2.ScheduleRequest, {"deadline"}, {"subscription_id", "stream_tag"}),
     (Usage, common_pb2.Usage, set(), set()),
+    (
+        WorkerDescription,
+        worker_pb2.WorkerInfo,
+        {"address"},
+        {"device", "dtype", "dtype_reason", "quantization", "speculative"},
+    ),
     (
         SeqEvent,
         scheduler_pb2.ScheduleResponse,
