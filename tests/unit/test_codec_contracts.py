@@ -28,6 +28,7 @@ from canteen.finish import Finish
 from canteen.plan import Constraint, NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.request import Request
 from canteen.v1 import common_pb2, scheduler_pb2, worker_pb2
+from scheduler import stats
 from scheduler.link import WorkerDescription, describe
 from scheduler.sequence import SeqEvent, Usage
 from scheduler.worker_limits import WORKER_INFO_BOUNDS
@@ -88,6 +89,24 @@ DESCRIPTION = st.builds(
     INT64,
     INT64,
 )
+STATS = st.builds(
+    stats.WorkerStats,
+    *[TEXT] * 4,
+    *[INT32] * 4,
+    UINT64,
+    st.booleans(),
+    UINT64,
+    INT32,
+    st.floats(allow_nan=False),
+    INT64,
+    INT64,
+    st.text(alphabet="UC.", max_size=16),
+    st.lists(
+        st.builds(stats.RunningSequence, TEXT, TEXT, INT32, INT32, INT32, st.booleans()),
+        max_size=3,
+    ).map(tuple),
+    INT32,
+)
 REQUEST = st.builds(
     Request,
     request_id=TEXT,
@@ -131,6 +150,22 @@ def test_a_worker_description_round_trips(desc: WorkerDescription) -> None:
     msg = to_pb(desc, worker_pb2.WorkerInfo, eos_token_ids=sorted(desc.eos_token_ids))
     wire = msg.SerializeToString()
     assert describe(worker_pb2.WorkerInfo.FromString(wire), desc.address) == desc
+
+
+@settings(max_examples=200)
+@given(STATS)
+def test_worker_stats_round_trip(worker: stats.WorkerStats) -> None:
+    """GetStats: the scheduler's plain stats value travels by name (scheduler/server.py)."""
+    msg = to_pb(
+        worker,
+        scheduler_pb2.WorkerStats,
+        running=[to_pb(r, scheduler_pb2.RunningSequence) for r in worker.running],
+    )
+    back = scheduler_pb2.WorkerStats.FromString(msg.SerializeToString())
+    running = tuple(from_pb(r, stats.RunningSequence) for r in back.running)
+    assert from_pb(back, stats.WorkerStats, running=running) == worker
+    refused = stats.RefusedWorker("w", "127.0.0.1:1", "num_blocks=0: must be in 1..2")
+    assert from_pb(to_pb(refused, scheduler_pb2.RefusedWorker), stats.RefusedWorker) == refused
 
 
 def test_every_bounded_worker_number_is_in_the_description() -> None:
@@ -239,6 +274,9 @@ ONE_SIDED = [
     ),
     (Request, scheduler_pb2.ScheduleRequest, {"deadline"}, {"subscription_id", "stream_tag"}),
     (Usage, common_pb2.Usage, set(), set()),
+    (stats.WorkerStats, scheduler_pb2.WorkerStats, set(), set()),
+    (stats.RunningSequence, scheduler_pb2.RunningSequence, set(), set()),
+    (stats.RefusedWorker, scheduler_pb2.RefusedWorker, set(), set()),
     (
         WorkerDescription,
         worker_pb2.WorkerInfo,
