@@ -11,54 +11,24 @@ from canteen.auth import ApiKeys
 from canteen.tls import peer_identity
 from canteen.v1 import registry_pb2 as pb
 from canteen.v1 import registry_pb2_grpc
-from registry.aliases import Alias, AliasTarget, AliasTargetNotFoundError, InvalidAliasError
+from registry.aliases import AliasTargetNotFoundError, InvalidAliasError
+from registry.codec import (
+    alias_from_pb,
+    alias_to_pb,
+    entry_from_pb,
+    entry_to_pb,
+    record_from_pb,
+    record_to_pb,
+)
 from registry.core import InvalidModelError, ModelInUseError, ModelTable, Registry
-from registry.directory import NotLeaseOwnerError, UnknownLeaseError, WorkerEntry
-from registry.store import AliasNotFoundError, ModelExistsError, ModelNotFoundError, ModelRecord
-
-_FORMATS = {"safetensors": pb.MODEL_FORMAT_SAFETENSORS, "gguf": pb.MODEL_FORMAT_GGUF}
-_FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
-
-
-def record_to_pb(record: ModelRecord) -> pb.ModelRecord:
-    return pb.ModelRecord(
-        name=record.name,
-        version=record.version,
-        format=_FORMATS[record.format],
-        path=record.path,
-        sha256=record.sha256,
-        max_model_len=record.max_model_len,
-        created_unix=record.created_unix,
-    )
-
-
-def alias_to_pb(alias: Alias) -> pb.Alias:
-    return pb.Alias(
-        name=alias.name,
-        model=alias.model,
-        targets=[pb.AliasTarget(version=t.version, weight=t.weight) for t in alias.targets],
-    )
-
-
-def alias_from_pb(msg: pb.Alias) -> Alias:
-    """An empty model means the alias's own name."""
-    return Alias(
-        msg.name,
-        msg.model or msg.name,
-        tuple(AliasTarget(t.version, t.weight) for t in msg.targets),
-    )
+from registry.directory import NotLeaseOwnerError, UnknownLeaseError
+from registry.store import AliasNotFoundError, ModelExistsError, ModelNotFoundError
 
 
 def _owner(context: grpc.aio.ServicerContext) -> str | None:
     """The worker id the caller's certificate names; None on a plaintext link."""
     peer = peer_identity(context)
     return None if peer is None else peer.worker_id
-
-
-def _entry_to_pb(entry: WorkerEntry) -> pb.WorkerEntry:
-    return pb.WorkerEntry(
-        worker_id=entry.worker_id, address=entry.address, model=entry.model, version=entry.version
-    )
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
@@ -99,10 +69,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
                 grpc.StatusCode.PERMISSION_DENIED,
                 "AddModel is disabled: start the registry with --model-root FOLDER",
             )
-        m = request.model
-        record = ModelRecord(
-            m.name, m.version, _FORMAT_NAMES.get(m.format, ""), m.path, m.sha256, m.max_model_len
-        )
+        record = record_from_pb(request.model)
         try:
             return record_to_pb(await self._registry.add_model(record))
         except InvalidModelError as exc:
@@ -176,7 +143,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             )
         try:
             await self._registry.directory.register(
-                WorkerEntry(request.worker_id, request.address, request.model, request.version),
+                entry_from_pb(request),
                 _owner(context),
             )
         except NotLeaseOwnerError as exc:
@@ -211,4 +178,4 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         self, request: pb.WatchWorkersRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WorkerList]:
         async for workers in self._registry.directory.watch():
-            yield pb.WorkerList(workers=[_entry_to_pb(w) for w in workers])
+            yield pb.WorkerList(workers=[entry_to_pb(w) for w in workers])

@@ -18,6 +18,7 @@ import grpc
 
 from canteen.batching import DEFAULT, BatchConfig
 from canteen.codec import plan_to_pb, result_from_pb
+from canteen.codec.fields import from_pb
 from canteen.finish import Finish
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
@@ -46,6 +47,10 @@ class LinkSettings:
 
 @dataclass(frozen=True)
 class WorkerDescription:
+    """A worker's ``WorkerInfo`` (GetInfo) as the scheduler keeps it: every field of the same
+    name, read by name (canteen/codec/fields.py), plus the address it was dialled at. The
+    numbers are checked against scheduler/worker_limits.py's bounds before any link."""
+
     worker_id: str
     address: str
     model: str
@@ -57,21 +62,15 @@ class WorkerDescription:
     max_batched_tokens: int
     vocab_size: int
     num_speculative_tokens: int = 0  # most draft tokens it verifies per sequence; 0: none
+    bytes_per_block: int = 0
+    kv_cache_bytes: int = 0
+    memory_budget_bytes: int = 0
+    peak_bytes_before_kv: int = 0
 
 
 def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
-    return WorkerDescription(
-        worker_id=info.worker_id,
-        address=address,
-        model=info.model,
-        version=info.version,
-        num_blocks=info.num_blocks,
-        block_size=info.block_size,
-        max_model_len=info.max_model_len,
-        eos_token_ids=frozenset(info.eos_token_ids),
-        max_batched_tokens=info.max_batched_tokens,
-        vocab_size=info.vocab_size,
-        num_speculative_tokens=info.num_speculative_tokens,
+    return from_pb(
+        info, WorkerDescription, address=address, eos_token_ids=frozenset(info.eos_token_ids)
     )
 
 

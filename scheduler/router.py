@@ -25,7 +25,7 @@ from canteen.tls import Tls, aio_channel, worker_channel_name
 from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler
 from scheduler.failover import Failover
-from scheduler.link import LinkSettings, StepObserver, WorkerLink, describe
+from scheduler.link import LinkSettings, StepObserver, WorkerDescription, WorkerLink, describe
 from scheduler.sequence import Sequence
 from scheduler.worker_limits import info_refusal, unlisted_model
 
@@ -152,9 +152,10 @@ class WorkerPool:
                 self._spawn(self._connect(moved))  # it re-registered elsewhere meanwhile
             return
         try:  # still connecting while it is judged: no second dial meanwhile
-            refusal, transient = info_refusal(info, entry), False
+            desc = describe(info, entry.address)
+            refusal, transient = info_refusal(desc, entry), False
             if refusal is None:
-                refusal, transient = await self._model_refusal(info)
+                refusal, transient = await self._model_refusal(desc)
         finally:
             self._connecting.discard(entry.worker_id)
         if refusal is not None:
@@ -162,7 +163,7 @@ class WorkerPool:
             await channel.close()
             return
         link = WorkerLink(
-            describe(info, entry.address),
+            desc,
             channel,
             self._settings,
             self._on_step,
@@ -185,7 +186,7 @@ class WorkerPool:
         if not link.is_draining:
             self._spawn(self._reconnect(entry))
 
-    async def _model_refusal(self, info: worker_pb2.WorkerInfo) -> tuple[str | None, bool]:
+    async def _model_refusal(self, info: WorkerDescription) -> tuple[str | None, bool]:
         """Why the registry's model list rules the worker's model version out; None when it
         lists it; and whether the refusal is transient (the registry could not answer)."""
         request = registry_pb2.GetModelRequest(name=info.model, version=info.version)

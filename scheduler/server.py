@@ -8,6 +8,7 @@ import grpc
 import structlog
 
 from canteen.codec import request_from_pb, response_to_pb
+from canteen.codec.fields import to_pb
 from canteen.finish import Finish
 from canteen.plan import MAX_STREAM_INTERVAL
 from canteen.tracing import context_from_metadata
@@ -20,6 +21,7 @@ from scheduler.service import (
     SequenceRefusedError,
     WorkerFailedError,
 )
+from scheduler.stats import pool_stats
 from scheduler.subscriptions import Subscription, SubscriptionError
 
 STATUS_OF = {
@@ -102,43 +104,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetStatsResponse:
-        workers = []
-        for link in self._service.pool.links.values():
-            core, d = link.core, link.desc
-            workers.append(
-                scheduler_pb2.WorkerStats(
-                    worker_id=d.worker_id,
-                    address=d.address,
-                    model=d.model,
-                    version=d.version,
-                    num_total_blocks=core.pool.num_blocks,
-                    num_free_blocks=core.pool.num_free,
-                    num_running=len(core.running),
-                    num_waiting=len(core.waiting),
-                    num_steps=core.num_steps,
-                    is_ready=link.is_ready,
-                    num_preemptions=core.num_preemptions,
-                    num_cached_blocks=core.pool.num_cached,
-                    prefix_cache_hit_rate=core.prefix_cache_hit_rate,
-                    num_draft_tokens=core.speculation.num_draft_tokens,
-                    num_accepted_tokens=core.speculation.num_accepted_tokens,
-                    block_map=core.pool.state_map(),
-                    running=[
-                        scheduler_pb2.RunningSequence(
-                            request_id=seq.request_id,
-                            seq_id=seq.seq_id,
-                            num_prompt_tokens=len(seq.prompt_ids),
-                            num_output_tokens=len(seq.output_ids),
-                            num_blocks=len(seq.block_ids),
-                            is_decoding=seq.is_decoding,
-                        )
-                        for seq in sorted(core.running, key=lambda s: s.admit_order)
-                    ],
-                    last_batch_size=link.last_batch_size,
+        workers, refused = pool_stats(self._service.pool)
+        return scheduler_pb2.GetStatsResponse(
+            workers=[
+                to_pb(
+                    w,
+                    scheduler_pb2.WorkerStats,
+                    running=[to_pb(r, scheduler_pb2.RunningSequence) for r in w.running],
                 )
-            )
-        refused = [
-            scheduler_pb2.RefusedWorker(worker_id=e.worker_id, address=e.address, reason=reason)
-            for e, reason in self._service.pool.refused.values()
-        ]
-        return scheduler_pb2.GetStatsResponse(workers=workers, refused_workers=refused)
+                for w in workers
+            ],
+            refused_workers=[to_pb(r, scheduler_pb2.RefusedWorker) for r in refused],
+        )

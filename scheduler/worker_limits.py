@@ -1,23 +1,28 @@
 """What the scheduler believes of a worker's description (GetInfo) before it sends it work.
 
 A worker's certificate proves who it is, not that what it reports is sane: every number in
-WorkerInfo is checked against the table below (``num_blocks`` near 2**31 would have the
-scheduler build a block list it cannot hold), its id, model and version against the
-registry's directory entry, and the model version against the registry's model list. A
-refused worker gets no link and no traffic; the reason names the field and the limit.
+WorkerInfo (read by name into ``WorkerDescription``, scheduler/link.py) is checked against
+the table below (``num_blocks`` near 2**31 would have the scheduler build a block list it
+cannot hold), its id, model and version against the registry's directory entry, and the
+model version against the registry's model list. A refused worker gets no link and no
+traffic; the reason names the field and the limit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from canteen.v1 import registry_pb2, worker_pb2
+from canteen.v1 import registry_pb2
 from scheduler.blocks import MAX_NUM_BLOCKS
+
+if TYPE_CHECKING:
+    from scheduler.link import WorkerDescription
 
 
 @dataclass(frozen=True)
 class Bound:
-    """An inclusive range for one integer field of WorkerInfo."""
+    """An inclusive range for one integer field of WorkerInfo (and ``WorkerDescription``)."""
 
     field: str
     low: int
@@ -41,8 +46,9 @@ WORKER_INFO_BOUNDS = (
 MAX_EOS_TOKEN_IDS = 64
 
 
-def info_refusal(info: worker_pb2.WorkerInfo, entry: registry_pb2.WorkerEntry) -> str | None:
-    """Why ``info`` (a worker's GetInfo) cannot be believed for ``entry``; None if it can."""
+def info_refusal(info: WorkerDescription, entry: registry_pb2.WorkerEntry) -> str | None:
+    """Why ``info`` (a worker's GetInfo, described) cannot be believed for ``entry``; None
+    if it can. Its eos ids are a set, so counted once each."""
     for bound in WORKER_INFO_BOUNDS:
         value = getattr(info, bound.field)
         if not bound.low <= value <= bound.high:
@@ -62,7 +68,7 @@ def info_refusal(info: worker_pb2.WorkerInfo, entry: registry_pb2.WorkerEntry) -
     return None
 
 
-def unlisted_model(info: worker_pb2.WorkerInfo) -> str:
+def unlisted_model(info: WorkerDescription) -> str:
     """The refusal for a worker whose model version the registry does not list."""
     return (
         f"model={info.model!r} version={info.version!r}: not in the registry's model list; "

@@ -6,12 +6,13 @@ import pytest
 
 from canteen.v1 import registry_pb2, worker_pb2
 from scheduler.blocks import MAX_NUM_BLOCKS, BlockPool
+from scheduler.link import WorkerDescription, describe
 from scheduler.worker_limits import WORKER_INFO_BOUNDS, Bound, info_refusal
 
 ENTRY = registry_pb2.WorkerEntry(worker_id="w1", address="127.0.0.1:1", model="m", version="v")
 
 
-def _info(**changes: object) -> worker_pb2.WorkerInfo:
+def _info(**changes: object) -> WorkerDescription:
     fields: dict[str, object] = {
         "worker_id": "w1",
         "model": "m",
@@ -23,7 +24,7 @@ def _info(**changes: object) -> worker_pb2.WorkerInfo:
         "vocab_size": 1000,
         "eos_token_ids": [2],
     }
-    return worker_pb2.WorkerInfo(**{**fields, **changes})  # type: ignore[arg-type]
+    return describe(worker_pb2.WorkerInfo(**{**fields, **changes}), "127.0.0.1:1")  # type: ignore[arg-type]
 
 
 def test_a_sane_description_is_believed() -> None:
