@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.integration.conftest import NUM_KV_BLOCKS, tiny_suite
-from tests.support.hostile_load import BIG_PROMPT_CHARS, Round, one_round
+from tests.support.hostile_load import Round, one_round, start_roomy_gateway
 from tests.support.tiny_model import build_tiny_model
 
 
@@ -47,15 +47,7 @@ def main() -> None:
         model = build_tiny_model(Path(tmp) / "tiny")
         (Path(tmp) / "suite").mkdir()
         with tiny_suite(Path(tmp) / "suite", model, NUM_KV_BLOCKS) as suite:
-            gateway = suite.suite.start_gateway(
-                suite.registry,
-                suite.scheduler,
-                "--max-prompt-chars",
-                str(BIG_PROMPT_CHARS + 1000),
-                "--prep-deadline",
-                str(args.prep_deadline),
-                name="gateway-hostile",
-            )
+            gateway = start_roomy_gateway(suite, args.prep_deadline, "gateway-hostile")
             alone: list[Round] = []
             loaded: list[Round] = []
             reference: list[int] | None = None

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from canteen.v1 import common_pb2, inference_pb2, scheduler_pb2
 from tests.integration.conftest import TinySuite
 from tests.support import reference
+from tests.support.chat import chat, openai_client
 from tests.support.streams import Stream, generate
 
-HELLO = [{"role": "user", "content": "Hello there"}]
 PERSON = {
     "type": "object",
     "properties": {
@@ -38,12 +38,11 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def client(suite: TinySuite) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{suite.gateway.http_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(suite.gateway.http_url)
 
 
 def _chat(client: openai.OpenAI, **kwargs: Any) -> Any:
-    kwargs = {"model": "tiny", "messages": HELLO, "max_tokens": 200, **kwargs}
-    return client.chat.completions.create(**kwargs)
+    return chat(client, 200, **kwargs)
 
 
 def test_json_schema_output_validates_and_stops(client: openai.OpenAI) -> None:

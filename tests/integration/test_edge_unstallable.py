@@ -13,7 +13,7 @@ import pytest
 
 from canteen.v1 import inference_pb2
 from tests.integration.conftest import TinySuite
-from tests.support.hostile_load import BIG_PROMPT_CHARS, one_round, run_stream
+from tests.support.hostile_load import one_round, run_stream, start_roomy_gateway
 from tests.support.suite import Service
 
 MAX_TOKENS = 32
@@ -21,17 +21,8 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def roomy(suite: TinySuite) -> Iterator[Service]:
-    """A gateway that lets a 4 MB prompt through its size checks, so the preparation itself
-    (seconds of tokenizing) is what the others must not wait for."""
-    gateway = suite.suite.start_gateway(
-        suite.registry,
-        suite.scheduler,
-        "--max-prompt-chars",
-        str(BIG_PROMPT_CHARS + 1000),
-        "--prep-deadline",
-        "2",
-        name="gateway-roomy",
-    )
+    """A gateway whose size checks let a 4 MB prompt through to its preparation."""
+    gateway = start_roomy_gateway(suite, 2, "gateway-roomy")
     yield gateway
     assert gateway.terminate() == 0
 

@@ -16,18 +16,16 @@ import pytest
 
 from gateway.tools import MAX_PARALLEL_CALLS
 from tests.integration.conftest import TinySuite
-
-HELLO = [{"role": "user", "content": "Hello there"}]
+from tests.support.chat import HELLO, chat, openai_client
 
 
 @pytest.fixture(scope="module")
 def client(suite: TinySuite) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{suite.gateway.http_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(suite.gateway.http_url)
 
 
 def _chat(client: openai.OpenAI, **kwargs: Any) -> Any:
-    kwargs = {"model": "tiny", "messages": HELLO, "max_tokens": 120, **kwargs}
-    return client.chat.completions.create(**kwargs)
+    return chat(client, 120, **kwargs)
 
 
 def test_regex_classes_are_ascii(client: openai.OpenAI) -> None:

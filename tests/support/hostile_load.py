@@ -9,12 +9,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from canteen.v1 import inference_pb2, inference_pb2_grpc
+
+if TYPE_CHECKING:
+    from tests.integration.conftest import TinySuite
+    from tests.support.suite import Service
 
 PROMPT = "Once upon a time"
 BIG_PROMPT_CHARS = 4_000_000  # "a 4 MB tokenize"
@@ -143,3 +148,17 @@ def one_round(
         stop.set()
         probes = prober.result()
     return Round(stream, probes, results)
+
+
+def start_roomy_gateway(suite: TinySuite, prep_deadline: float, name: str) -> Service:
+    """A gateway that lets a 4 MB prompt through its size checks, so the preparation itself
+    (seconds of tokenizing) is what the others must not wait for."""
+    return suite.suite.start_gateway(
+        suite.registry,
+        suite.scheduler,
+        "--max-prompt-chars",
+        str(BIG_PROMPT_CHARS + 1000),
+        "--prep-deadline",
+        str(prep_deadline),
+        name=name,
+    )
