@@ -11,6 +11,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from canteen.adapters import AdapterRef
+
 MAX_TOP_LOGPROBS = 20  # most alternatives a sequence may ask for per token
 MAX_TEMPERATURE = 2.0  # OpenAI's bound; hotter sampling is noise
 MAX_TOP_K = 1 << 20  # far above any vocabulary; keeps the value an int32
@@ -109,6 +111,7 @@ class NewSequence:
     traceparent: str = ""  # W3C trace context of the request; empty when untraced
     request_id: str = ""  # the client's label, for log lines only
     num_prompt_tokens: int = 0  # of token_ids; the rest were generated before a resume
+    adapter: AdapterRef | None = None  # the LoRA adapter; None: the base model
 
 
 @dataclass(frozen=True)
@@ -167,3 +170,6 @@ class StepResult:
     num_accepted_tokens: int = 0
     # draft tokens proposed per sequence granted drafts (0: it had none to propose)
     num_proposed: dict[str, int] = field(default_factory=dict)
+    # ids of the adapters loaded on the worker after this step, when the set changed
+    resident_adapters: tuple[str, ...] = ()
+    adapters_changed: bool = False

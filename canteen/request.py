@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from canteen.adapters import AdapterRef
 from canteen.plan import Sampling
 
 
@@ -25,4 +26,5 @@ class Request:
     priority: int = 0
     cache_salt: str = ""  # prefix-cache tenant (the gateway's --cache-isolation key)
     disable_speculation: bool = False
+    adapter: AdapterRef | None = None  # LoRA adapter over model:version; None: the base
     deadline: float | None = None  # monotonic time the caller stops waiting; not on the wire

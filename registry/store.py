@@ -40,6 +40,7 @@ class ModelRecord:
     sha256: str
     max_model_len: int
     created_unix: int = 0
+    base: str = ""  # a LoRA adapter's base model, "name:version"; "" for a full model
 
 
 class ModelExistsError(Exception):

@@ -66,6 +66,8 @@ class WorkerDescription:
     kv_cache_bytes: int = 0
     memory_budget_bytes: int = 0
     peak_bytes_before_kv: int = 0
+    max_loras: int = 0  # most distinct LoRA adapters in one step; 0: adapters not served
+    max_cpu_loras: int = 0
 
 
 def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:

@@ -12,6 +12,7 @@ import time
 from dataclasses import Field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from canteen.codec.adapter import adapter_from_pb, adapter_to_pb
 from canteen.codec.fields import from_pb, to_pb
 from canteen.codec.sampling import sampling_from_pb, sampling_to_pb
 from canteen.codec.step import top_to_pb
@@ -41,7 +42,12 @@ class Event(Protocol):
 
 
 def request_to_pb(request: Request) -> scheduler_pb2.ScheduleRequest:
-    return to_pb(request, scheduler_pb2.ScheduleRequest, sampling=sampling_to_pb(request.sampling))
+    return to_pb(
+        request,
+        scheduler_pb2.ScheduleRequest,
+        sampling=sampling_to_pb(request.sampling),
+        adapter=adapter_to_pb(request.adapter),
+    )
 
 
 def request_from_pb(
@@ -52,6 +58,7 @@ def request_from_pb(
         msg,
         Request,
         sampling=sampling_from_pb(msg.sampling),
+        adapter=adapter_from_pb(msg.adapter),
         deadline=None if time_remaining is None else time.monotonic() + time_remaining,
     )
 

@@ -8,6 +8,7 @@ repeated field.
 
 from __future__ import annotations
 
+from canteen.codec.adapter import adapter_from_pb, adapter_to_pb
 from canteen.codec.fields import decoder, encoder, list_encoder, tuple_decoder
 from canteen.codec.sampling import sampling_from_pb, sampling_to_pb
 from canteen.plan import (
@@ -31,12 +32,18 @@ def top_from_pb(msg: common_pb2.TopLogprobs) -> tuple[tuple[int, float], ...]:
 
 _PLAN_TO = encoder(StepPlan, worker_pb2.StepPlan, "new_sequences", "scheduled")
 _NEW_TO = list_encoder(
-    NewSequence, worker_pb2.NewSequence, sampling=lambda n: sampling_to_pb(n.sampling)
+    NewSequence,
+    worker_pb2.NewSequence,
+    sampling=lambda n: sampling_to_pb(n.sampling),
+    adapter=lambda n: adapter_to_pb(n.adapter),
 )
 _SCHEDULED_TO = list_encoder(ScheduledSequence, worker_pb2.ScheduledSequence)
 _PLAN_FROM = decoder(worker_pb2.StepPlan, StepPlan, "new_sequences", "scheduled")
 _NEW_FROM = tuple_decoder(
-    worker_pb2.NewSequence, NewSequence, sampling=lambda n: sampling_from_pb(n.sampling)
+    worker_pb2.NewSequence,
+    NewSequence,
+    sampling=lambda n: sampling_from_pb(n.sampling),
+    adapter=lambda n: adapter_from_pb(n.adapter),
 )
 _SCHEDULED_FROM = tuple_decoder(worker_pb2.ScheduledSequence, ScheduledSequence)
 _RESULT_TO = encoder(StepResult, worker_pb2.StepResult, "tokens", "failed", "timings")

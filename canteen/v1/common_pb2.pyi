@@ -227,3 +227,40 @@ class Usage(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
+
+@_typing.final
+class AdapterRef(_message.Message):
+    """A LoRA adapter of the serving model (a PEFT adapter_config.json + adapter_model.safetensors
+    folder, registered in the registry as a model version with a base). Travels with each
+    request and sequence so a worker can load it on demand and check its digest.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Adapter name, as clients name it."""
+    version: _builtins.str
+    """Adapter version."""
+    path: _builtins.str
+    """Folder holding adapter_config.json and adapter_model.safetensors (under --model-root)."""
+    sha256: _builtins.str
+    """Hex sha256 over both files, as the registry recorded it; the worker refuses a mismatch."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+        path: _builtins.str = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path", "sha256", b"sha256", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterRef: _TypeAlias = AdapterRef  # noqa: Y015

@@ -31,6 +31,8 @@ class _ModelFormatEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ModelForm
     """A transformers directory with safetensors weights."""
     MODEL_FORMAT_GGUF: _ModelFormat.ValueType  # 2
     """One GGUF file holding weights and tokenizer."""
+    MODEL_FORMAT_PEFT_LORA: _ModelFormat.ValueType  # 3
+    """A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) over a base."""
 
 class ModelFormat(_ModelFormat, metaclass=_ModelFormatEnumTypeWrapper):
     """How a model's weights are stored."""
@@ -41,6 +43,8 @@ MODEL_FORMAT_SAFETENSORS: ModelFormat.ValueType  # 1
 """A transformers directory with safetensors weights."""
 MODEL_FORMAT_GGUF: ModelFormat.ValueType  # 2
 """One GGUF file holding weights and tokenizer."""
+MODEL_FORMAT_PEFT_LORA: ModelFormat.ValueType  # 3
+"""A PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) over a base."""
 Global___ModelFormat: _TypeAlias = ModelFormat  # noqa: Y015
 
 @_typing.final
@@ -56,6 +60,7 @@ class ModelRecord(_message.Message):
     SHA256_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     CREATED_UNIX_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Model name, as clients name it."""
     version: _builtins.str
@@ -70,6 +75,8 @@ class ModelRecord(_message.Message):
     """The longest prompt plus answer it accepts, in tokens."""
     created_unix: _builtins.int
     """Unix seconds when it was added."""
+    base: _builtins.str
+    """For a LoRA adapter: its base model as "name:version"; empty for a full model."""
     def __init__(
         self,
         *,
@@ -80,10 +87,11 @@ class ModelRecord(_message.Message):
         sha256: _builtins.str = ...,
         max_model_len: _builtins.int = ...,
         created_unix: _builtins.int = ...,
+        base: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_unix", b"created_unix", "format", b"format", "max_model_len", b"max_model_len", "name", b"name", "path", b"path", "sha256", b"sha256", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "created_unix", b"created_unix", "format", b"format", "max_model_len", b"max_model_len", "name", b"name", "path", b"path", "sha256", b"sha256", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

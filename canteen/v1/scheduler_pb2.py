@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from canteen.v1 import common_pb2 as canteen_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/scheduler.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\xd6\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x1b\n\x13\x64isable_speculation\x18\x0b \x01(\x08\x12\x17\n\x0fsubscription_id\x18\x0c \x01(\t\x12\x12\n\nstream_tag\x18\r \x01(\x04\x12\x17\n\x0fstream_interval\x18\x0e \x01(\x05\"\xe4\x01\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\x12\x12\n\nstream_tag\x18\x07 \x01(\x04\"\x12\n\x10SubscribeRequest\"Y\n\rScheduleBatch\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12/\n\tresponses\x18\x02 \x03(\x0b\x32\x1c.canteen.v1.ScheduleResponse\"\x11\n\x0fGetStatsRequest\"\xb7\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x10\n\x08is_ready\x18\n \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\x12\x11\n\tblock_map\x18\x0e \x01(\t\x12,\n\x07running\x18\x0f \x03(\x0b\x32\x1b.canteen.v1.RunningSequence\x12\x17\n\x0flast_batch_size\x18\x10 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x11 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x12 \x01(\x03\"\x94\x01\n\x0fRunningSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bis_decoding\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\t\"p\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerStats\x12\x32\n\x0frefused_workers\x18\x02 \x03(\x0b\x32\x19.canteen.v1.RefusedWorker\"C\n\rRefusedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xe3\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.canteen.v1.ScheduleRequest\x1a\x1c.canteen.v1.ScheduleResponse0\x01\x12\x46\n\tSubscribe\x12\x1c.canteen.v1.SubscribeRequest\x1a\x19.canteen.v1.ScheduleBatch0\x01\x12\x45\n\x08GetStats\x12\x1b.canteen.v1.GetStatsRequest\x1a\x1c.canteen.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/scheduler.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\xff\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x1b\n\x13\x64isable_speculation\x18\x0b \x01(\x08\x12\x17\n\x0fsubscription_id\x18\x0c \x01(\t\x12\x12\n\nstream_tag\x18\r \x01(\x04\x12\x17\n\x0fstream_interval\x18\x0e \x01(\x05\x12\'\n\x07\x61\x64\x61pter\x18\x0f \x01(\x0b\x32\x16.canteen.v1.AdapterRef\"\xe4\x01\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\x12\x12\n\nstream_tag\x18\x07 \x01(\x04\"\x12\n\x10SubscribeRequest\"Y\n\rScheduleBatch\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12/\n\tresponses\x18\x02 \x03(\x0b\x32\x1c.canteen.v1.ScheduleResponse\"\x11\n\x0fGetStatsRequest\"\xb7\x03\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x10\n\x08is_ready\x18\n \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\x12\x11\n\tblock_map\x18\x0e \x01(\t\x12,\n\x07running\x18\x0f \x03(\x0b\x32\x1b.canteen.v1.RunningSequence\x12\x17\n\x0flast_batch_size\x18\x10 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x11 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x12 \x01(\x03\"\x94\x01\n\x0fRunningSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bis_decoding\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\t\"p\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerStats\x12\x32\n\x0frefused_workers\x18\x02 \x03(\x0b\x32\x19.canteen.v1.RefusedWorker\"C\n\rRefusedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xe3\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.canteen.v1.ScheduleRequest\x1a\x1c.canteen.v1.ScheduleResponse0\x01\x12\x46\n\tSubscribe\x12\x1c.canteen.v1.SubscribeRequest\x1a\x19.canteen.v1.ScheduleBatch0\x01\x12\x45\n\x08GetStats\x12\x1b.canteen.v1.GetStatsRequest\x1a\x1c.canteen.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,23 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'canteen.v1.scheduler_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCHEDULEREQUEST']._serialized_start=68
-  _globals['_SCHEDULEREQUEST']._serialized_end=410
-  _globals['_SCHEDULERESPONSE']._serialized_start=413
-  _globals['_SCHEDULERESPONSE']._serialized_end=641
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=643
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=661
-  _globals['_SCHEDULEBATCH']._serialized_start=663
-  _globals['_SCHEDULEBATCH']._serialized_end=752
-  _globals['_GETSTATSREQUEST']._serialized_start=754
-  _globals['_GETSTATSREQUEST']._serialized_end=771
-  _globals['_WORKERSTATS']._serialized_start=774
-  _globals['_WORKERSTATS']._serialized_end=1213
-  _globals['_RUNNINGSEQUENCE']._serialized_start=1216
-  _globals['_RUNNINGSEQUENCE']._serialized_end=1364
-  _globals['_GETSTATSRESPONSE']._serialized_start=1366
-  _globals['_GETSTATSRESPONSE']._serialized_end=1478
-  _globals['_REFUSEDWORKER']._serialized_start=1480
-  _globals['_REFUSEDWORKER']._serialized_end=1547
-  _globals['_SCHEDULER']._serialized_start=1550
-  _globals['_SCHEDULER']._serialized_end=1777
+  _globals['_SCHEDULEREQUEST']._serialized_end=451
+  _globals['_SCHEDULERESPONSE']._serialized_start=454
+  _globals['_SCHEDULERESPONSE']._serialized_end=682
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=684
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=702
+  _globals['_SCHEDULEBATCH']._serialized_start=704
+  _globals['_SCHEDULEBATCH']._serialized_end=793
+  _globals['_GETSTATSREQUEST']._serialized_start=795
+  _globals['_GETSTATSREQUEST']._serialized_end=812
+  _globals['_WORKERSTATS']._serialized_start=815
+  _globals['_WORKERSTATS']._serialized_end=1254
+  _globals['_RUNNINGSEQUENCE']._serialized_start=1257
+  _globals['_RUNNINGSEQUENCE']._serialized_end=1405
+  _globals['_GETSTATSRESPONSE']._serialized_start=1407
+  _globals['_GETSTATSRESPONSE']._serialized_end=1519
+  _globals['_REFUSEDWORKER']._serialized_start=1521
+  _globals['_REFUSEDWORKER']._serialized_end=1588
+  _globals['_SCHEDULER']._serialized_start=1591
+  _globals['_SCHEDULER']._serialized_end=1818
 # @@protoc_insertion_point(module_scope)

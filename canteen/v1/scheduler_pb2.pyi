@@ -39,6 +39,7 @@ class ScheduleRequest(_message.Message):
     SUBSCRIPTION_ID_FIELD_NUMBER: _builtins.int
     STREAM_TAG_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request label (x-request-id): logged and echoed, never used as a key. The
     scheduler makes its own unique sequence id for every request.
@@ -84,6 +85,12 @@ class ScheduleRequest(_message.Message):
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end the sequence (besides EOS unless ignore_eos)."""
 
+    @_builtins.property
+    def adapter(self) -> _common_pb2.AdapterRef:
+        """The LoRA adapter to serve the request with (model and version then name its base);
+        absent: the base model. The gateway resolves it from the registry.
+        """
+
     def __init__(
         self,
         *,
@@ -101,10 +108,11 @@ class ScheduleRequest(_message.Message):
         subscription_id: _builtins.str = ...,
         stream_tag: _builtins.int = ...,
         stream_interval: _builtins.int = ...,
+        adapter: _common_pb2.AdapterRef | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval", "stream_tag", b"stream_tag", "subscription_id", b"subscription_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "cache_salt", b"cache_salt", "disable_speculation", b"disable_speculation", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "model", b"model", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "stop_token_ids", b"stop_token_ids", "stream_interval", b"stream_interval", "stream_tag", b"stream_tag", "subscription_id", b"subscription_id", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -61,6 +61,8 @@ class WorkerInfo(_message.Message):
     QUANTIZATION_FIELD_NUMBER: _builtins.int
     SPECULATIVE_FIELD_NUMBER: _builtins.int
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id, unique per process."""
     model: _builtins.str
@@ -97,6 +99,10 @@ class WorkerInfo(_message.Message):
     """How the worker proposes draft tokens ("none" or "ngram"; --speculative)."""
     num_speculative_tokens: _builtins.int
     """Most draft tokens it verifies per sequence and step (--num-speculative-tokens)."""
+    max_loras: _builtins.int
+    """Most distinct LoRA adapters one step may mix (--max-loras); 0: adapters not served."""
+    max_cpu_loras: _builtins.int
+    """Most adapters kept loaded in memory, least recently used evicted (--max-cpu-loras)."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model."""
@@ -123,10 +129,12 @@ class WorkerInfo(_message.Message):
         quantization: _builtins.str = ...,
         speculative: _builtins.str = ...,
         num_speculative_tokens: _builtins.int = ...,
+        max_loras: _builtins.int = ...,
+        max_cpu_loras: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_cpu_loras", b"max_cpu_loras", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -146,6 +154,7 @@ class NewSequence(_message.Message):
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.str
     """Sequence id, made by the scheduler and unique within the Run stream (never a client's
     label).
@@ -175,6 +184,10 @@ class NewSequence(_message.Message):
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """KV blocks that hold its tokens, in order."""
 
+    @_builtins.property
+    def adapter(self) -> _common_pb2.AdapterRef:
+        """The LoRA adapter its tokens are computed with; absent: the base model."""
+
     def __init__(
         self,
         *,
@@ -186,10 +199,11 @@ class NewSequence(_message.Message):
         traceparent: _builtins.str = ...,
         request_id: _builtins.str = ...,
         num_prompt_tokens: _builtins.int = ...,
+        adapter: _common_pb2.AdapterRef | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "block_ids", b"block_ids", "num_cached_tokens", b"num_cached_tokens", "num_prompt_tokens", b"num_prompt_tokens", "request_id", b"request_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -374,6 +388,8 @@ class StepResult(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_PROPOSED_FIELD_NUMBER: _builtins.int
+    RESIDENT_ADAPTERS_FIELD_NUMBER: _builtins.int
+    ADAPTERS_CHANGED_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The plan's step id."""
     num_tokens: _builtins.int
@@ -382,6 +398,7 @@ class StepResult(_message.Message):
     """Draft tokens proposed and verified this step, over all sequences."""
     num_accepted_tokens: _builtins.int
     """Of those, the ones accepted (each a token gained without a step of its own)."""
+    adapters_changed: _builtins.bool
     @_builtins.property
     def tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
         """One token per sequence whose known tokens were all computed this step; with accepted
@@ -405,6 +422,12 @@ class StepResult(_message.Message):
         well that sequence's drafts hold.
         """
 
+    @_builtins.property
+    def resident_adapters(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Ids ("name:version") of the adapters loaded on the worker after this step; sent only
+        when the set changed this step (adapters_changed).
+        """
+
     def __init__(
         self,
         *,
@@ -416,10 +439,12 @@ class StepResult(_message.Message):
         num_draft_tokens: _builtins.int = ...,
         num_accepted_tokens: _builtins.int = ...,
         num_proposed: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        resident_adapters: _abc.Iterable[_builtins.str] | None = ...,
+        adapters_changed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed", b"num_proposed", "num_tokens", b"num_tokens", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters_changed", b"adapters_changed", "failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed", b"num_proposed", "num_tokens", b"num_tokens", "resident_adapters", b"resident_adapters", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

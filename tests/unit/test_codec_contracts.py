@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canteen import plan as domain
+from canteen.adapters import AdapterRef
 from canteen.codec import (
     plan_from_pb,
     plan_to_pb,
@@ -350,3 +351,17 @@ def test_a_compiled_converter_refuses_a_field_it_cannot_name() -> None:
 
     with pytest.raises(ValueError, match="cannot be compiled"):
         to_pb(Odd(), worker_pb2.StepPlan, source="x")
+
+
+def test_an_adapter_travels_with_a_sequence_and_a_request() -> None:
+    """The LoRA adapter (a nested message) survives both contracts; none stays none."""
+    adapter = AdapterRef("sql-writer", "v1", "/models/sql", "ab" * 32)
+    new = NewSequence("s1", (1, 2), Sampling(), (0,), adapter=adapter)
+    plain = NewSequence("s2", (3,), Sampling(), (1,))
+    plan = StepPlan(7, new_sequences=(new, plain))
+    decoded = plan_from_pb(worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString()))
+    assert [n.adapter for n in decoded.new_sequences] == [adapter, None]
+    request = Request("r", "base", (1,), 4, Sampling(), adapter=adapter)
+    wire = scheduler_pb2.ScheduleRequest.FromString(request_to_pb(request).SerializeToString())
+    assert request_from_pb(wire).adapter == adapter
+    assert request_from_pb(scheduler_pb2.ScheduleRequest(model="base")).adapter is None
