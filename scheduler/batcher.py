@@ -9,7 +9,8 @@ Each step, under a token budget and a cap on running sequences:
        ``max_step_stall`` decode-only steps (scheduler/cost.py), for the sake of the
        streams that were streaming before the held prompts arrived
     3. admission: waiting sequences (highest priority first, then oldest) while their
-       next chunk's blocks plus a watermark are free
+       next chunk's blocks plus a watermark are free; a sequence whose LoRA adapter is not
+       in the running batch waits while the batch already mixes ``max_loras`` adapters
 
 When a running sequence needs a block and none is free, the lowest-priority, most recently
 admitted sequence not yet in this step is preempted by recompute: its blocks are freed and it
@@ -34,6 +35,7 @@ from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
 from scheduler.inflight import Ahead, Entry, InFlightSums
 from scheduler.kv import KVManager
+from scheduler.lora import admissible_waiting
 from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
 from scheduler.timing import observe_step
@@ -46,8 +48,13 @@ class BatchScheduler:
         limits: BatchConfig,
         num_draft_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        max_loras: int | None = None,
     ) -> None:
         self.kv = KVManager(pool, limits.watermark_blocks)
+        # Most distinct adapters in the running batch (so in any step); None: no limit.
+        self.max_loras = max_loras
+        # Ids of the adapters the worker holds loaded (its last StepResult that said).
+        self.resident_adapters: frozenset[str] = frozenset()
         self._clock = clock
         self._last_result_at: float | None = None
         self.speculation = SpeculationPolicy(num_draft_tokens)
@@ -182,6 +189,8 @@ class BatchScheduler:
             raise ValueError(f"result for step {result.step_id} does not match the plan")
         plan, entries = self._in_flight.popleft()
         self._ticks += 1
+        if result.adapters_changed:
+            self.resident_adapters = frozenset(result.resident_adapters)
         now = self._clock()
         since = None if self._last_result_at is None else now - self._last_result_at
         self._last_result_at = now
@@ -294,8 +303,11 @@ class BatchScheduler:
 
     def _admit(self, budget: int, chosen: list[tuple[Sequence, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            admissible = admissible_waiting(self.waiting, self.running, self.max_loras)
+            if not admissible:
+                break
             seq = max(
-                self.waiting, key=lambda s: (s.priority, s.num_preemptions > 0, -s.arrival_time)
+                admissible, key=lambda s: (s.priority, s.num_preemptions > 0, -s.arrival_time)
             )
             self.kv.reuse_cached_prefix(seq)
             if seq.first_scheduled_time is None:

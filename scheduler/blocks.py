@@ -10,7 +10,9 @@ stay reusable until they are evicted least-recently-used.
     key(block i) = H(key(block i-1), tokens[i*bs:(i+1)*bs])     key(-1) = H(model version)
 
 A request's cache salt (a tenant: the gateway's --cache-isolation key) changes key(-1), so
-tenants never share a block and cannot tell from cached_tokens what another sent.
+tenants never share a block and cannot tell from cached_tokens what another sent. A LoRA
+adapter is part of the salt too (scheduler/sequence.py ``prefix_salt``): the same tokens make
+other KV under another adapter, so two adapters never share a block; one adapter's requests do.
 """
 
 from __future__ import annotations

@@ -111,7 +111,10 @@ class KVManager:
         tokens = seq.tokens
         while len(seq.block_keys) < num_full:
             i = len(seq.block_keys)
-            parent = seq.block_keys[-1] if seq.block_keys else self.pool.root_for(seq.cache_salt)
+            if seq.block_keys:
+                parent = seq.block_keys[-1]
+            else:
+                parent = self.pool.root_for(seq.prefix_salt)
             key = self.pool.commit(seq.block_ids[i], parent, tokens[i * bs : (i + 1) * bs])
             seq.block_keys.append(key)
 
@@ -120,5 +123,5 @@ class KVManager:
         tokens: those blocks join its table, and their tokens count as computed."""
         if seq.block_ids:
             return
-        seq.block_ids, seq.block_keys = self.pool.match_prefix(seq.tokens, seq.cache_salt)
+        seq.block_ids, seq.block_keys = self.pool.match_prefix(seq.tokens, seq.prefix_salt)
         seq.num_computed = len(seq.block_ids) * self.block_size

@@ -99,7 +99,9 @@ class WorkerLink:
             settings.enable_prefix_cache,
             cache_salt=f"{desc.model}:{desc.version}",
         )
-        self.core = BatchScheduler(pool, limits, desc.num_speculative_tokens)
+        self.core = BatchScheduler(
+            pool, limits, desc.num_speculative_tokens, max_loras=desc.max_loras or None
+        )
         self._queues: dict[str, EventSink] = {}
         self._wake = asyncio.Event()
         self.is_up = True

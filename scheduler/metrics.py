@@ -42,6 +42,20 @@ class SchedulerMetrics:
             ("model", "version", "finish"),
             registry=registry,
         )
+        # Per LoRA adapter ("name:version"); only registered adapters reach the scheduler
+        # (the gateway resolves them from the registry), so the label stays bounded.
+        self.adapter_requests = Counter(
+            "canteen_scheduler_adapter_requests",
+            "Requests with a LoRA adapter the scheduler ended, by adapter and how they ended",
+            ("adapter", "finish"),
+            registry=registry,
+        )
+        self.adapter_tokens = Counter(
+            "canteen_scheduler_adapter_tokens",
+            "Tokens of ended requests with a LoRA adapter, by adapter; kind=prompt or generation",
+            ("adapter", "kind"),
+            registry=registry,
+        )
 
     def observe_step(self, desc: WorkerDescription, plan: StepPlan, seconds: float) -> None:
         if not plan.scheduled:
@@ -53,6 +67,13 @@ class SchedulerMetrics:
 
     def count_finish(self, model: str, version: str, finish: str) -> None:
         self.requests.labels(model, version, finish).inc()
+
+    def count_adapter(
+        self, adapter_id: str, finish: str, num_prompt_tokens: int, num_output_tokens: int
+    ) -> None:
+        self.adapter_requests.labels(adapter_id, finish).inc()
+        self.adapter_tokens.labels(adapter_id, "prompt").inc(num_prompt_tokens)
+        self.adapter_tokens.labels(adapter_id, "generation").inc(num_output_tokens)
 
 
 class PoolCollector(Collector):

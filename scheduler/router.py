@@ -7,6 +7,10 @@ that leaves is drained. A request goes to a ready worker of its model:
   queue, and free blocks for the uncached part of the prompt after what already waits);
 - otherwise to the one with the most free blocks left after the demand already waiting on it.
 
+A request with a LoRA adapter goes only to workers that serve adapters (--max-loras > 0),
+and first to those that already hold it (loaded, or for work queued there) while they have
+room: loading an adapter is work the others would have to do first (scheduler/lora.py).
+
 So shared prefixes stay on the worker that computed them until it fills, then spill over to
 the next worker, which caches them too.
 """
@@ -26,6 +30,7 @@ from canteen.v1 import registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_g
 from scheduler.batcher import BatchScheduler
 from scheduler.failover import Failover
 from scheduler.link import LinkSettings, StepObserver, WorkerDescription, WorkerLink, describe
+from scheduler.lora import holds_adapter
 from scheduler.sequence import Sequence
 from scheduler.worker_limits import info_refusal, unlisted_model
 
@@ -65,19 +70,23 @@ class WorkerPool:
         # dialled again until the directory lists them differently.
         self.refused: dict[str, tuple[registry_pb2.WorkerEntry, str]] = {}
 
-    def serving(self, model: str, version: str) -> list[WorkerLink]:
-        """Ready workers of the model (of that version, when given)."""
+    def serving(self, model: str, version: str, with_adapters: bool = False) -> list[WorkerLink]:
+        """Ready workers of the model (of that version, when given); ``with_adapters``:
+        only those that serve LoRA adapters (--max-loras > 0)."""
         return [
             link
             for link in self.links.values()
             if link.is_ready
             and link.desc.model == model
             and (not version or link.desc.version == version)
+            and (link.desc.max_loras > 0 or not with_adapters)
         ]
 
     @staticmethod
-    def pick(candidates: list[WorkerLink], prompt_ids: list[int], salt: str = "") -> WorkerLink:
-        chosen = pick_worker([link.core for link in candidates], prompt_ids, salt)
+    def pick(
+        candidates: list[WorkerLink], prompt_ids: list[int], salt: str = "", adapter_id: str = ""
+    ) -> WorkerLink:
+        chosen = pick_worker([link.core for link in candidates], prompt_ids, salt, adapter_id)
         assert chosen is not None, "pick needs at least one candidate"
         return candidates[chosen]
 
@@ -91,8 +100,11 @@ class WorkerPool:
 
     def _place(self, model: str, version: str, seq: Sequence) -> WorkerLink | None:
         total = len(seq.prompt_ids) + seq.max_tokens
-        fitting = [link for link in self.serving(model, version) if fits(link, total)]
-        return self.pick(fitting, seq.tokens, seq.cache_salt) if fitting else None
+        serving = self.serving(model, version, with_adapters=seq.adapter is not None)
+        fitting = [link for link in serving if fits(link, total)]
+        if not fitting:
+            return None
+        return self.pick(fitting, seq.tokens, seq.prefix_salt, seq.adapter_id)
 
     @property
     def num_waiting(self) -> int:
@@ -241,21 +253,33 @@ class WorkerPool:
             await self._on_ready_change(is_ready)
 
 
-def pick_worker(cores: list[BatchScheduler], prompt_ids: list[int], salt: str = "") -> int | None:
-    """Index of the core to run on: prefix-cache affinity among those with room, else the
-    most headroom."""
+def pick_worker(
+    cores: list[BatchScheduler], prompt_ids: list[int], salt: str = "", adapter_id: str = ""
+) -> int | None:
+    """Index of the core to run on: among those holding ``adapter_id`` with room when
+    there are any, prefix-cache affinity among those with room, else the most headroom."""
     if not cores:
         return None
+    indices = list(range(len(cores)))
+    if adapter_id:
+        need = cores[0].pool.blocks_for(len(prompt_ids))
+        holders = [
+            i
+            for i in indices
+            if holds_adapter(cores[i], adapter_id) and _headroom(cores[i]) >= need
+        ]
+        indices = holders or indices
     best: tuple[int, int] | None = None
     chosen = None
-    for i, core in enumerate(cores):
+    for i in indices:
+        core = cores[i]
         cached = core.pool.count_cached_prefix(prompt_ids, salt)
         room = _headroom(core) - (core.pool.blocks_for(len(prompt_ids)) - cached)
         if cached and room >= 0 and not core.waiting and (best is None or (cached, room) > best):
             best, chosen = (cached, room), i
     if chosen is not None:
         return chosen
-    return max(range(len(cores)), key=lambda i: _headroom(cores[i]))
+    return max(indices, key=lambda i: _headroom(cores[i]))
 
 
 def fits(link: WorkerLink, total_tokens: int) -> bool:

@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from canteen.adapters import AdapterRef
 from canteen.finish import Finish
 from canteen.plan import NewSequence, Sampling
 from scheduler.speculation import DraftRecord
@@ -65,11 +66,22 @@ class Sequence:
     deadline: float | None = None
     num_failovers: int = 0
     cache_salt: str = ""  # its prefix-cache tenant; "" shares with every other request
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs with; None: the base model
     allow_speculation: bool = True  # the request may verify draft tokens
     drafting: DraftRecord = field(default_factory=DraftRecord)  # how its drafts hold
     # The key on the worker and in every table: made here, unique.
     seq_id: str = field(default_factory=new_seq_id)
     incarnation: int = 0  # bumped each time it is sent to a worker as new
+
+    @property
+    def prefix_salt(self) -> str:
+        """What roots its prefix-cache chain: tenant and adapter (prefix_salt())."""
+        return prefix_salt(self.cache_salt, self.adapter)
+
+    @property
+    def adapter_id(self) -> str:
+        """``name:version`` of its adapter; "" for the base model."""
+        return "" if self.adapter is None else self.adapter.id
 
     @property
     def tokens(self) -> list[int]:
@@ -109,7 +121,17 @@ class Sequence:
             traceparent=self.traceparent,
             request_id=self.request_id,
             num_prompt_tokens=len(self.prompt_ids),
+            adapter=self.adapter,
         )
+
+
+def prefix_salt(cache_salt: str, adapter: AdapterRef | None) -> str:
+    """The prefix-cache salt of a tenant's sequence run with ``adapter``: the same tokens
+    make different KV under different adapters, so each adapter (its id and digest: a
+    version re-registered with other weights is another adapter) roots its own chain."""
+    if adapter is None:
+        return cache_salt
+    return f"{cache_salt}\0lora:{adapter.id}:{adapter.sha256}"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from canteen.plan import MAX_STREAM_INTERVAL
 from canteen.tracing import context_from_metadata
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.service import (
+    AdapterNotServedError,
     InvalidRequestError,
     NoWorkerError,
     QueueFullError,
@@ -26,6 +27,7 @@ from scheduler.subscriptions import Subscription, SubscriptionError
 
 STATUS_OF = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
+    AdapterNotServedError: grpc.StatusCode.FAILED_PRECONDITION,
     NoWorkerError: grpc.StatusCode.UNAVAILABLE,
     QueueFullError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkerFailedError: grpc.StatusCode.UNAVAILABLE,

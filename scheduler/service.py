@@ -15,7 +15,7 @@ from canteen.tracing import get_tracer, traceparent_of
 from scheduler.link import WorkerLink
 from scheduler.metrics import SchedulerMetrics
 from scheduler.router import WorkerPool, fits
-from scheduler.sequence import SeqEvent, Sequence
+from scheduler.sequence import SeqEvent, Sequence, prefix_salt
 from scheduler.subscriptions import EventSink, Subscription, Subscriptions
 
 log = get_logger(__name__)
@@ -32,6 +32,10 @@ class NoWorkerError(Exception):
 
 class QueueFullError(Exception):
     pass
+
+
+class AdapterNotServedError(Exception):
+    """The request names a LoRA adapter and no worker of its model serves adapters."""
 
 
 class WorkerFailedError(Exception):
@@ -55,14 +59,24 @@ class SchedulerService:
         """Picks a worker and checks the request against it; raises what the caller sees."""
         _validate_shape(params)
         candidates = self.pool.serving(params.model, params.version)
+        wanted = f"{params.model}:{params.version}" if params.version else params.model
         if not candidates:
-            wanted = f"{params.model}:{params.version}" if params.version else params.model
             raise NoWorkerError(f"no ready worker serves model {wanted!r}")
+        adapter = params.adapter
+        if adapter is not None:
+            candidates = [link for link in candidates if link.desc.max_loras > 0]
+            if not candidates:
+                raise AdapterNotServedError(
+                    f"adapter={adapter.id!r}: no ready worker of model {wanted!r} serves LoRA "
+                    "adapters (its workers run with --max-loras 0)"
+                )
         total = len(params.prompt_token_ids) + params.max_tokens
         fitting = [link for link in candidates if fits(link, total)]
         if not fitting:
             raise InvalidRequestError(_never_fits(params, max(candidates, key=_capacity)))
-        link = self.pool.pick(fitting, list(params.prompt_token_ids), params.cache_salt)
+        salt = prefix_salt(params.cache_salt, adapter)
+        adapter_id = "" if adapter is None else adapter.id
+        link = self.pool.pick(fitting, list(params.prompt_token_ids), salt, adapter_id)
         desc = link.desc
         _check_vocab(params, desc.vocab_size)
         if self.pool.num_waiting >= self.max_queue:
@@ -82,6 +96,7 @@ class SchedulerService:
             priority=params.priority,
             max_model_len=desc.max_model_len,
             cache_salt=params.cache_salt,
+            adapter=adapter,
             allow_speculation=not params.disable_speculation,
             traceparent=traceparent,
             deadline=params.deadline,
@@ -163,6 +178,10 @@ class SchedulerService:
         if self.metrics is not None:
             finish = seq.finish.value if seq.finish is not None else Finish.CANCELLED.value
             self.metrics.count_finish(link.desc.model, link.desc.version, finish)
+            if seq.adapter is not None:
+                self.metrics.count_adapter(
+                    seq.adapter_id, finish, len(seq.prompt_ids), len(seq.output_ids)
+                )
 
 
 def refusal_of(event: SeqEvent) -> Exception:
@@ -222,6 +241,11 @@ def _validate_shape(params: Request) -> None:
     if not MIN_PRIORITY <= params.priority <= MAX_PRIORITY:
         raise InvalidRequestError(
             f"priority={params.priority}: must be in {MIN_PRIORITY}..{MAX_PRIORITY}"
+        )
+    adapter = params.adapter
+    if adapter is not None and not (adapter.version and adapter.path and adapter.sha256):
+        raise InvalidRequestError(
+            f"adapter={adapter.name!r}: version, path and sha256 are all required"
         )
 
 
