@@ -149,11 +149,27 @@ def format_alias(alias: registry_pb2.Alias) -> str:
     return f"alias {alias.name} -> {shares}"
 
 
+def parse_add_spec(spec: str, name: str, version: str) -> tuple[str, str, str]:
+    """``models add``'s model: PATH with --name and --version, or NAME:VERSION=PATH."""
+    if name or version:
+        if not (name and version):
+            raise SystemExit("canteen models add: --name and --version go together")
+        return name, version, spec
+    ref, sep, path = spec.partition("=")
+    name, _, version = ref.partition(":")
+    if not (sep and name and version and path):
+        raise SystemExit(
+            f"canteen models add: {spec!r}: use NAME:VERSION=PATH, or PATH --name N --version V"
+        )
+    return name, version, path
+
+
 async def _list_models(stub: registry_pb2_grpc.RegistryStub) -> None:
     listing = await stub.ListModels(registry_pb2.ListModelsRegistryRequest(), timeout=10)
     for m in listing.models:
         mark = "*" if m.name == listing.default_model else " "
-        print(f"{mark} {m.name}:{m.version}  max_model_len={m.max_model_len}  {m.path}")
+        over = f"  base={m.base}" if m.base else ""
+        print(f"{mark} {m.name}:{m.version}  max_model_len={m.max_model_len}{over}  {m.path}")
     for alias in listing.aliases:
         print(format_alias(alias))
 
@@ -182,15 +198,17 @@ async def _models(args: argparse.Namespace) -> int:
         stub = registry_pb2_grpc.RegistryStub(channel)
         try:
             if args.models_command == "add":
+                name, version, path = parse_add_spec(args.path, args.name, args.version)
                 record = registry_pb2.ModelRecord(
-                    name=args.name, version=args.version, path=os.path.abspath(args.path)
+                    name=name, version=version, path=os.path.abspath(path), base=args.base
                 )
                 added = await stub.AddModel(
                     registry_pb2.AddModelRequest(model=record),
                     timeout=120,
                     metadata=admin_metadata(args),
                 )
-                print(f"added {added.name}:{added.version} sha256={added.sha256}")
+                over = f" (LoRA adapter of {added.base})" if added.base else ""
+                print(f"added {added.name}:{added.version}{over} sha256={added.sha256}")
             elif args.models_command == "delete":
                 name, _, version = args.ref.partition(":")
                 await stub.DeleteModel(
@@ -214,10 +232,18 @@ def _add_models_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     models.add_argument("--registry", default=os.environ.get("CANTEEN_REGISTRY", "127.0.0.1:50053"))
     add_client_flags(models, admin=True)
     msub = models.add_subparsers(dest="models_command", required=True)
-    add = msub.add_parser("add", help="register a model version")
-    add.add_argument("path")
-    add.add_argument("--name", required=True)
-    add.add_argument("--version", required=True)
+    add = msub.add_parser(
+        "add",
+        help="register a model version or a LoRA adapter",
+        description="Registers NAME:VERSION=PATH (or PATH --name N --version V). A PEFT LoRA "
+        "adapter folder (adapter_config.json + adapter_model.safetensors) needs --base.",
+    )
+    add.add_argument("path", metavar="NAME:VERSION=PATH")
+    add.add_argument("--name", default="")
+    add.add_argument("--version", default="")
+    add.add_argument(
+        "--base", default="", metavar="NAME:VERSION", help="a LoRA adapter's base model"
+    )
     delete = msub.add_parser("delete", help="remove a model version")
     delete.add_argument("ref", metavar="NAME:VERSION")
     msub.add_parser("list", help="list model versions and aliases")

@@ -15,7 +15,11 @@ from registry.aliases import Alias, AliasTarget
 from registry.directory import WorkerEntry
 from registry.store import ModelRecord
 
-_FORMATS = {"safetensors": pb.MODEL_FORMAT_SAFETENSORS, "gguf": pb.MODEL_FORMAT_GGUF}
+_FORMATS = {
+    "safetensors": pb.MODEL_FORMAT_SAFETENSORS,
+    "gguf": pb.MODEL_FORMAT_GGUF,
+    "peft_lora": pb.MODEL_FORMAT_PEFT_LORA,
+}
 _FORMAT_NAMES = {v: k for k, v in _FORMATS.items()}
 
 

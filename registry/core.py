@@ -17,6 +17,13 @@ from canteen.models import (
     read_max_model_len,
     weights_sha256,
 )
+from registry.adapters import (
+    ADAPTER_FORMAT,
+    InvalidAdapterError,
+    adapter_files_outside,
+    check_kind,
+    describe_adapter,
+)
 from registry.aliases import Alias, check_alias
 from registry.changes import Changes
 from registry.directory import WorkerDirectory
@@ -26,7 +33,7 @@ log = get_logger(__name__)
 
 
 class InvalidModelError(ValueError):
-    pass
+    """A record the registry refuses (INVALID_ARGUMENT), its message naming the field."""
 
 
 class ModelInUseError(Exception):
@@ -70,8 +77,26 @@ class Registry:
         path = self._check_path(record.path)
         try:
             fmt = record.format or detect_format(path)
+            check_kind(record, fmt, self.store)
+            if fmt == ADAPTER_FORMAT:
+                outside = adapter_files_outside(path, self.model_roots)
+                if outside is not None:
+                    raise InvalidAdapterError(f"path={record.path!r}: {outside} (--model-root)")
+                described = await describe_adapter(record, path, self.store)
+            else:
+                described = await self._describe_model(record, path, fmt)
         except ValueError as exc:
             raise InvalidModelError(str(exc)) from exc
+        stored = self.store.add(described)
+        log.info(
+            "model added", model=stored.name, version=stored.version, path=stored.path,
+            base=stored.base,
+        )  # fmt: skip
+        await self._changes.bump()
+        return stored
+
+    async def _describe_model(self, record: ModelRecord, path: Path, fmt: str) -> ModelRecord:
+        """A full model's record to store, with its checksum and context length."""
         # The registry hashes the weights itself; a caller's value is only an expectation.
         sha256 = await asyncio.to_thread(weights_sha256, path)
         if record.sha256 and record.sha256.lower() != sha256:
@@ -79,12 +104,7 @@ class Registry:
                 f"sha256={record.sha256!r}: the weights at {path} hash to {sha256}"
             )
         max_len = record.max_model_len or await asyncio.to_thread(read_max_model_len, path)
-        stored = self.store.add(
-            ModelRecord(record.name, record.version, fmt, str(path), sha256, max_len)
-        )
-        log.info("model added", model=stored.name, version=stored.version, path=stored.path)
-        await self._changes.bump()
-        return stored
+        return ModelRecord(record.name, record.version, fmt, str(path), sha256, max_len)
 
     def _check_path(self, given: str) -> Path:
         """The resolved path, which must exist under a model root."""
@@ -104,7 +124,8 @@ class Registry:
         return path
 
     async def delete_model(self, name: str, version: str) -> None:
-        """Removes a version; refused while an alias names it."""
+        """Removes a version; refused while an alias names it or adapters name it as their
+        base. Streams already running with it finish: the scheduler holds what they need."""
         if not name or not version:
             raise InvalidModelError("name and version are both required to delete a model")
         users = [
@@ -116,6 +137,12 @@ class Registry:
             raise ModelInUseError(
                 f"model {name}:{version} is named by alias {', '.join(users)}; "
                 "change or delete the alias first"
+            )
+        adapters = [f"{a.name}:{a.version}" for a in self.store.adapters_of(f"{name}:{version}")]
+        if adapters:
+            raise ModelInUseError(
+                f"model {name}:{version} is the base of LoRA adapter {', '.join(adapters)}; "
+                "delete those adapters first"
             )
         self.store.delete(name, version)
         log.info("model deleted", model=name, version=version)

@@ -18,6 +18,7 @@ CREATE TABLE IF NOT EXISTS models (
     sha256 TEXT NOT NULL,
     max_model_len INTEGER NOT NULL,
     created_unix INTEGER NOT NULL,
+    base TEXT NOT NULL DEFAULT '',
     PRIMARY KEY (name, version)
 );
 CREATE TABLE IF NOT EXISTS alias_targets (
@@ -65,6 +66,9 @@ class ModelStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        columns = {row[1] for row in self._db.execute("PRAGMA table_info(models)")}
+        if "base" not in columns:  # a registry database from before LoRA adapters
+            self._db.execute("ALTER TABLE models ADD COLUMN base TEXT NOT NULL DEFAULT ''")
 
     def close(self) -> None:
         self._db.close()
@@ -75,7 +79,7 @@ class ModelStore:
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.execute(
-                    "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO models VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         record.name,
                         record.version,
@@ -84,6 +88,7 @@ class ModelStore:
                         record.sha256,
                         record.max_model_len,
                         created,
+                        record.base,
                     ),
                 )
         except sqlite3.IntegrityError as exc:
@@ -151,6 +156,13 @@ class ModelStore:
         for alias, model, version, weight in rows:
             grouped.setdefault(alias, (model, []))[1].append(AliasTarget(version, weight))
         return [Alias(name, model, tuple(ts)) for name, (model, ts) in grouped.items()]
+
+    def adapters_of(self, base: str) -> list[ModelRecord]:
+        """The LoRA adapters whose base is ``base`` ("name:version")."""
+        rows = self._db.execute(
+            "SELECT * FROM models WHERE base = ? ORDER BY name, created_unix, rowid", (base,)
+        ).fetchall()
+        return [ModelRecord(*row) for row in rows]
 
     def versions(self) -> dict[str, list[str]]:
         """Registered versions by model name."""

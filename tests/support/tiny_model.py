@@ -71,3 +71,29 @@ def build_tiny_model(path: Path, seed: int = 0, max_len: int = 1024, **shape: in
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_tiny_adapter(
+    base: Path, path: Path, seed: int = 1, r: int = 4, scale: float = 4.0, alpha: int = 8
+) -> Path:
+    """Writes a PEFT LoRA adapter of the model at ``base`` to ``path`` (adapter_config.json +
+    adapter_model.safetensors): every projection adapted, A and B random (B scaled by
+    ``scale``), so greedy tokens differ from the base's and between seeds."""
+    from peft import LoraConfig, get_peft_model
+
+    model = LlamaForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(LORA_TARGETS), init_lora_weights=False
+    )
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(scale)
+    path.mkdir(parents=True, exist_ok=True)
+    peft_model.save_pretrained(str(path))
+    return path
