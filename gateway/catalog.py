@@ -6,6 +6,10 @@ stream (no polling).
     "name:version"     exactly that version
     "name" (alias)     one of the alias's versions, drawn by weight
     "name"             the model's latest version
+
+A LoRA adapter (a registry record with a base) resolves like any model; its ``base`` is the
+full model whose workers serve it, whose tokenizer reads its prompts, and whose context it
+has. An adapter whose base the snapshot lacks is left out.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import bisect
 import random
 from dataclasses import dataclass
 
+from canteen.adapters import AdapterRef
 from canteen.logging import get_logger
 from canteen.streams import follow_stream
 from canteen.tls import Tls, aio_channel
@@ -30,10 +35,24 @@ class ModelVersion:
     format: str
     path: str
     max_model_len: int
+    sha256: str = ""
+    base: ModelVersion | None = None  # a LoRA adapter's base model; None for a full model
 
     @property
     def ref(self) -> str:
         return f"{self.name}:{self.version}"
+
+    @property
+    def served(self) -> ModelVersion:
+        """The full model that runs it: its base for an adapter, else itself."""
+        return self.base or self
+
+    @property
+    def adapter(self) -> AdapterRef | None:
+        """What requests carry to run it: None for a full model."""
+        if self.base is None:
+            return None
+        return AdapterRef(self.name, self.version, self.path, self.sha256)
 
 
 @dataclass(frozen=True)
@@ -57,6 +76,7 @@ class UnknownModelError(LookupError):
 _FORMATS = {
     registry_pb2.MODEL_FORMAT_GGUF: "gguf",
     registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors",
+    registry_pb2.MODEL_FORMAT_PEFT_LORA: "peft_lora",
 }
 
 
@@ -99,13 +119,22 @@ class ModelCatalog:
         """Replaces the cached table with one snapshot from the registry."""
         latest: dict[str, ModelVersion] = {}
         versions: dict[str, ModelVersion] = {}
-        for record in msg.models:  # ordered by name, then creation time
+        full = {f"{r.name}:{r.version}" for r in msg.models if not r.base}
+        # ordered by name, then creation time; full models first: adapters name them
+        for record in sorted(msg.models, key=lambda r: bool(r.base)):
+            if record.base and record.base not in full:
+                log.warning(
+                    "adapter skipped: base not listed", adapter=record.name, base=record.base
+                )
+                continue
             model = ModelVersion(
                 record.name,
                 record.version,
                 _FORMATS.get(record.format, ""),
                 record.path,
                 record.max_model_len,
+                record.sha256,
+                versions[record.base] if record.base else None,
             )
             latest[model.name] = model
             versions[model.ref] = model

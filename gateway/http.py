@@ -306,7 +306,9 @@ class HttpEdge:
                 "owned_by": "canteen",
                 "version": m.version,
                 "max_model_len": m.max_model_len,
-                "is_ready": m.name in ready,
+                "is_ready": m.served.name in ready,
+                # a LoRA adapter names its base model, as vLLM does; null for a full model
+                "parent": m.base.name if m.base is not None else None,
             }
             for m in self.service.catalog.models()
             if principal.allows(m.name)

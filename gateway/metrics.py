@@ -59,6 +59,20 @@ class GatewayMetrics:
         self.cached_tokens = counter(
             "canteen_cached_tokens", "Prompt tokens served from the prefix cache"
         )
+        # Per LoRA adapter ("name:version"); only registered adapters resolve, so the
+        # label stays bounded. Requests with an adapter count under their base model too.
+        self.adapter_requests = Counter(
+            "canteen_adapter_requests",
+            "Generation requests with a LoRA adapter by final gRPC status",
+            ("adapter", "status"),
+            registry=registry,
+        )
+        self.adapter_tokens = Counter(
+            "canteen_adapter_tokens",
+            "Tokens of requests with a LoRA adapter; kind=prompt or generation",
+            ("adapter", "kind"),
+            registry=registry,
+        )
         self.in_flight = Gauge(
             "canteen_gateway_in_flight_requests",
             "Generation requests streaming now",
@@ -70,14 +84,15 @@ class GatewayMetrics:
         """A request refused before it had a model (authentication, shape)."""
         self.requests.labels("", "", status).inc()
 
-    def track(self, model: str, version: str, arrival: float) -> RequestTimer:
+    def track(self, model: str, version: str, arrival: float, adapter: str = "") -> RequestTimer:
+        """A request's clock, its series by model version (the base of an ``adapter``)."""
         labels = (model, version)
         series = self._series.get(labels)
         if series is None:
             series = self._series[labels] = _Series(
                 *(m.labels(*labels) for m in (self.ttft, self.itl, self.e2e, self.tpot))
             )
-        return RequestTimer(self, labels, series, arrival)
+        return RequestTimer(self, labels, series, arrival, adapter=adapter)
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,7 @@ class RequestTimer:
     last: float | None = None
     num_tokens: int = 0
     is_finished: bool = field(default=False)
+    adapter: str = ""  # the LoRA adapter's id; "" for the base model
 
     def tokens(self, count: int) -> None:
         if count <= 0:
@@ -124,6 +140,10 @@ class RequestTimer:
         m.prompt_tokens.labels(*labels).inc(prompt_tokens)
         m.generation_tokens.labels(*labels).inc(self.num_tokens)
         m.cached_tokens.labels(*labels).inc(cached_tokens)
+        if self.adapter:
+            m.adapter_requests.labels(self.adapter, status).inc()
+            m.adapter_tokens.labels(self.adapter, "prompt").inc(prompt_tokens)
+            m.adapter_tokens.labels(self.adapter, "generation").inc(self.num_tokens)
         if status != "OK" or self.first is None or self.last is None:
             return
         self.series.e2e.observe(self.last - self.arrival)

@@ -288,7 +288,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     name=m.name,
                     version=m.version,
                     max_model_len=m.max_model_len,
-                    is_ready=m.name in ready,
+                    is_ready=m.served.name in ready,
+                    parent=m.base.name if m.base is not None else "",
                 )
                 for m in catalog.models()
                 if principal.allows(m.name)

@@ -50,11 +50,12 @@ def schedule_request(admitted: Admitted, stream_interval: int = 1) -> scheduler_
     """What the scheduler is asked to run for an admitted request; ``stream_interval``:
     the gateway's default for a request that sets none."""
     inp, model = admitted.inp, admitted.model
+    served = model.served  # an adapter runs on its base model's workers
     request = request_to_pb(
         Request(
             request_id=inp.request_id,
-            model=model.name,
-            version=model.version,
+            model=served.name,
+            version=served.version,
             prompt_token_ids=tuple(admitted.ids),
             stop_token_ids=tuple(inp.stop_token_ids),
             max_tokens=admitted.max_tokens,
@@ -63,6 +64,7 @@ def schedule_request(admitted: Admitted, stream_interval: int = 1) -> scheduler_
             priority=inp.priority,
             cache_salt=admitted.cache_salt,
             disable_speculation=inp.disable_speculation,
+            adapter=model.adapter,
         )
     )
     request.stream_interval = inp.stream_interval or stream_interval
@@ -125,7 +127,10 @@ class InferenceService:
         """Runs an admitted request, timed and traced; its reservation is settled with the
         tokens it used."""
         inp, model = admitted.inp, admitted.model
-        timer = self.metrics.track(model.name, model.version, inp.arrival)
+        served, adapter = model.served, model.adapter
+        timer = self.metrics.track(
+            served.name, served.version, inp.arrival, "" if adapter is None else adapter.id
+        )
         span = request_span(model.ref, len(admitted.ids), inp.traceparent, inp.arrival)
         self.metrics.in_flight.inc()
         status, cached = "CANCELLED", 0

@@ -146,12 +146,16 @@ class TokenizerCache:
         return task.result()
 
     async def get(self, model: ModelVersion) -> Tokenizer:
-        task = self._loading.get(model.ref)
+        """The model's tokenizer (a LoRA adapter's is its base's), loaded once."""
+        served = model.served
+        task = self._loading.get(served.ref)
         if task is None:
-            task = asyncio.ensure_future(asyncio.to_thread(_load, model))
-            self._loading[model.ref] = task
+            task = asyncio.ensure_future(asyncio.to_thread(_load, served))
+            self._loading[served.ref] = task
+        self._loading[model.ref] = task  # ``loaded`` finds it by the name responses carry
         try:
             return await asyncio.shield(task)
         except Exception:
+            self._loading.pop(served.ref, None)
             self._loading.pop(model.ref, None)
             raise

@@ -458,6 +458,7 @@ class ModelInfo(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     IS_READY_FIELD_NUMBER: _builtins.int
+    PARENT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """The model name."""
     version: _builtins.str
@@ -466,6 +467,10 @@ class ModelInfo(_message.Message):
     """The longest prompt plus answer it accepts, in tokens."""
     is_ready: _builtins.bool
     """Whether a ready worker serves it now."""
+    parent: _builtins.str
+    """For a LoRA adapter: the name of the base model it runs on (vLLM's "parent"); empty for
+    a full model.
+    """
     def __init__(
         self,
         *,
@@ -473,10 +478,11 @@ class ModelInfo(_message.Message):
         version: _builtins.str = ...,
         max_model_len: _builtins.int = ...,
         is_ready: _builtins.bool = ...,
+        parent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_ready", b"is_ready", "max_model_len", b"max_model_len", "name", b"name", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_ready", b"is_ready", "max_model_len", b"max_model_len", "name", b"name", "parent", b"parent", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
