@@ -10,7 +10,8 @@ Each step, under a token budget and a cap on running sequences:
        streams that were streaming before the held prompts arrived
     3. admission: waiting sequences (highest priority first, then oldest) while their
        next chunk's blocks plus a watermark are free; a sequence whose LoRA adapter is not
-       in the running batch waits while the batch already mixes ``max_loras`` adapters
+       in the running batch waits while the batch already mixes ``max_loras`` adapters,
+       and one the worker must load first takes its load's share of the budget
 
 When a running sequence needs a block and none is free, the lowest-priority, most recently
 admitted sequence not yet in this step is preempted by recompute: its blocks are freed and it
@@ -35,7 +36,7 @@ from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel
 from scheduler.inflight import Ahead, Entry, InFlightSums
 from scheduler.kv import KVManager
-from scheduler.lora import admissible_waiting
+from scheduler.lora import adapter_load_tokens, admissible_waiting
 from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
 from scheduler.timing import observe_step
@@ -325,9 +326,10 @@ class BatchScheduler:
                 seq.first_scheduled_time = time.monotonic()
                 self.num_prompt_tokens += len(seq.prompt_ids)
                 self.num_cached_prompt_tokens += seq.num_cached_tokens
+            load = adapter_load_tokens(seq, self.resident_adapters, self.running)
             self.running.append(seq)
             chosen.append((seq, n))
-            budget -= n
+            budget = max(budget - n - load, 0)
         return budget
 
     def _make_room(self, seq: Sequence, num_tokens: int, in_plan: set[int]) -> bool:

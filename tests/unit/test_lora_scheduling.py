@@ -19,6 +19,7 @@ from canteen.request import Request
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
 from scheduler.link import LinkSettings, WorkerDescription, WorkerLink
+from scheduler.lora import ADAPTER_LOAD_TOKENS
 from scheduler.router import WorkerPool, pick_worker
 from scheduler.sequence import Sequence
 from scheduler.server import STATUS_OF
@@ -178,3 +179,21 @@ async def test_a_request_with_an_adapter_goes_to_a_worker_that_serves_adapters()
     assert link.desc.worker_id == "w1" and sequence.adapter == SQL
     assert link.core.max_loras == 4
     assert service.pool.links["w0"].core.max_loras is None
+
+
+def test_admission_counts_an_adapter_load_as_work() -> None:
+    def first_plan(resident: frozenset[str]) -> dict[str, int]:
+        pool = BlockPool(64, BS)
+        limits = BatchConfig(max_batched_tokens=64, max_num_seqs=8, **ONE_AT_A_TIME)
+        sched = BatchScheduler(pool, limits, max_loras=4)
+        sched.resident_adapters = resident
+        sched.add(seq("sql", list(range(1, 9)), SQL))
+        sched.add(seq("sql-2", list(range(9, 13)), SQL))  # the same load: counted once
+        sched.add(seq("base", list(range(100, 140)), None))
+        plan = sched.schedule()
+        assert plan is not None
+        return {s.seq_id: s.num_tokens for s in plan.scheduled}
+
+    # 64 tokens: 8 + 4 for the sql prompts, 32 for loading sql-writer, 20 of the base prompt
+    assert first_plan(frozenset()) == {"sql": 8, "sql-2": 4, "base": 64 - 12 - ADAPTER_LOAD_TOKENS}
+    assert first_plan(frozenset({SQL.id})) == {"sql": 8, "sql-2": 4, "base": 40}
