@@ -96,6 +96,36 @@ def weights_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # a PEFT LoRA folder
+
+
+def read_adapter_files(path: Path) -> dict[str, bytes]:
+    """The bytes of a PEFT LoRA folder's ADAPTER_FILES, read once (the worker parses the same
+    bytes it checked). FileNotFoundError naming the file when either is missing."""
+    files: dict[str, bytes] = {}
+    for name in ADAPTER_FILES:
+        file = path / name
+        if not file.is_file():
+            raise FileNotFoundError(f"adapter file {name} is missing from {path}")
+        files[name] = file.read_bytes()
+    return files
+
+
+def adapter_files_sha256(files: dict[str, bytes]) -> str:
+    """sha256 over ADAPTER_FILES in that order, each as its name, a zero byte, its bytes."""
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        digest.update(name.encode() + b"\0")
+        digest.update(files[name])
+    return digest.hexdigest()
+
+
+def adapter_sha256(path: Path) -> str:
+    """sha256 of a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors): what
+    the registry records for an adapter and the worker checks before it loads one."""
+    return adapter_files_sha256(read_adapter_files(path))
+
+
 def detect_format(path: Path) -> str:
     """``"gguf"`` for a GGUF file, ``"safetensors"`` for a transformers directory."""
     if path.is_file() and path.suffix == ".gguf":
