@@ -43,6 +43,11 @@ class LoraManager:
         self.slots = LoraSlots(max(options.max_loras, 1), shape.num_layers)
         self._resident: tuple[str, ...] = ()
 
+    @property
+    def max_loras(self) -> int:
+        """Distinct adapters a step may apply (0: adapters refused), as GetInfo reports it."""
+        return 0 if self.refusal else self.options.max_loras
+
     def observe(self, metrics: LoraMetrics) -> None:
         self.store.metrics = metrics
 

@@ -64,6 +64,12 @@ class LoraMetrics:
             registry=registry,
         )
 
+        # every series from the start, at zero: a scrape tells "none yet" from "not served"
+        self.loads.labels(*self._labels)
+        self.load_seconds.labels(*self._labels)
+        for tier in ("memory", "step"):
+            self.evictions.labels(*self._labels, tier)
+
     def loaded(self, seconds: float) -> None:
         self.loads.labels(*self._labels).inc()
         self.load_seconds.labels(*self._labels).observe(seconds)
