@@ -37,6 +37,7 @@ from worker.engine.memory import (
 )
 from worker.engine.observe import WorkerMetrics
 from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.lora.store import LoraMetrics
 from worker.model.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
 from worker.server import WorkerIdentity, WorkerServicer
 from worker.speculation.draft import can_share_kv
@@ -139,6 +140,7 @@ def build_runner(
         config.max_batched_tokens,
         graphs=config.graph_sizes,
         grammar=config.grammar,
+        lora=config.lora,
     )
     scratch = ModelRunner(loaded, shape)
     warm_up(scratch, step_tokens)
@@ -285,6 +287,8 @@ async def serve(
     port = await runtime.start([SERVICE_NAME])
     metrics_http = await start_metrics_http(metrics_registry, config.host, config.metrics_port)
     await load(config, record, engine, servicer, draft)
+    assert servicer.runner is not None
+    servicer.runner.lora.observe(LoraMetrics(metrics_registry, record.name, record.version))
     assert servicer.pool_size is not None
     metrics.set_pool(servicer.pool_size.kv_bytes, servicer.pool_size.budget_bytes)
     await runtime.set_ready(True)

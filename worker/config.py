@@ -23,6 +23,7 @@ from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
 from worker.engine.constrain import GrammarOptions
 from worker.engine.graphs import GraphSizes
+from worker.lora.store import LoraOptions
 from worker.speculation.speculate import SPECULATIVE_KINDS
 
 _GRAMMAR = GrammarOptions()  # the grammar flags' defaults are the runner's
@@ -152,6 +153,19 @@ class WorkerConfig(InternalLinkOptions):
         "symbols one grammar may have (llguidance's max_grammar_size)",
         within(100, 10**9),
     )
+    max_loras: int = option(
+        4,
+        "most distinct LoRA adapters one step applies (the scheduler keeps to it); 0: requests "
+        "naming an adapter are refused",
+        within(0, 64),
+    )
+    max_cpu_loras: int = option(
+        8,
+        "most LoRA adapters kept loaded in memory, least recently used evicted; at least "
+        "--max-loras",
+        within(1, 1024),
+    )
+    max_lora_rank: int = option(64, "largest LoRA rank served, 1..64", within(1, 64))
     worker_id: str = option("", "worker id (default: generated)")
     grace: float = option(30.0, "seconds running sequences get to finish on SIGTERM", at_least(0))
     verify_checksum: bool = option(True, "check the weights' sha256 against the registry")
@@ -177,6 +191,12 @@ class WorkerConfig(InternalLinkOptions):
             self.dtype,
             f"must be auto or bfloat16 with --draft-quantization ({low_bit})",
         )
+        require(
+            self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            self.max_cpu_loras,
+            f"must be at least --max-loras ({self.max_loras}): a step's adapters are in memory",
+        )
         parse_bytes(self.kv_cache_memory)
 
     @property
@@ -196,6 +216,12 @@ class WorkerConfig(InternalLinkOptions):
             step_max_items=self.grammar_step_max_items,
             max_lexer_states=self.grammar_max_lexer_states,
             max_grammar_size=self.grammar_max_size,
+        )
+
+    @property
+    def lora(self) -> LoraOptions:
+        return LoraOptions(
+            self.max_loras, self.max_cpu_loras, self.max_lora_rank, self.verify_checksum
         )
 
     @property

@@ -76,6 +76,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_speculative_tokens=(
                 self.runner.speculation.num_tokens if self.runner.speculation.is_on else 0
             ),
+            max_loras=self.runner.lora.max_loras,
+            max_cpu_loras=self.runner.lora.options.max_cpu_loras,
         )
 
     async def Run(

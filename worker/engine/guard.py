@@ -6,6 +6,7 @@ block, a key chained over the tokens written there (the scheme of the scheduler'
 cache, without its salt):
 
     key(block i of a sequence) = H(key(block i-1), tokens of block i)
+    key(block -1) = zeros for the base model, H(adapter id, its sha256) for a LoRA adapter
 
 So a new sequence may claim ``num_cached_tokens`` only over blocks whose keys equal the chain
 of its own tokens, and every block it will write must be held by no other live sequence: a
@@ -20,9 +21,18 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
+from canteen.adapters import AdapterRef
 from canteen.plan import NewSequence
 
 _ROOT_KEY = b"\0" * 16
+
+
+def root_key(adapter: AdapterRef | None) -> bytes:
+    """Where a sequence's chain starts: its adapter's KV differs from the base's."""
+    if adapter is None:
+        return _ROOT_KEY
+    seed = f"{adapter.id}\0{adapter.sha256}".encode()
+    return hashlib.blake2b(seed, digest_size=16).digest()
 
 
 class EntryError(ValueError):
@@ -68,10 +78,9 @@ class BlockLedger:
             )
         self._check_fresh(new.seq_id, new.block_ids[cached // bs :], new.block_ids[: cached // bs])
         keys: list[bytes] = []
+        root = root_key(new.adapter)
         for i, block in enumerate(new.block_ids[: cached // bs]):
-            keys.append(
-                chain_key(keys[-1] if keys else _ROOT_KEY, new.token_ids[i * bs : (i + 1) * bs])
-            )
+            keys.append(chain_key(keys[-1] if keys else root, new.token_ids[i * bs : (i + 1) * bs]))
             if self._keys.get(block) != keys[-1]:
                 raise EntryError(
                     new.seq_id,
@@ -115,13 +124,18 @@ class BlockLedger:
             self._keys.pop(block_ids[i], None)
 
     def computed(
-        self, block_ids: Sequence[int], tokens: Sequence[int], keys: list[bytes], end: int
+        self,
+        block_ids: Sequence[int],
+        tokens: Sequence[int],
+        keys: list[bytes],
+        end: int,
+        root: bytes = _ROOT_KEY,
     ) -> None:
         """Records the keys of blocks that became full with the first ``end`` tokens;
-        ``keys`` is the sequence's chain so far, extended in place."""
+        ``keys`` is the sequence's chain so far (from ``root``), extended in place."""
         bs = self.block_size
         while (len(keys) + 1) * bs <= end:
             i = len(keys)
-            key = chain_key(keys[-1] if keys else _ROOT_KEY, tokens[i * bs : (i + 1) * bs])
+            key = chain_key(keys[-1] if keys else root, tokens[i * bs : (i + 1) * bs])
             keys.append(key)
             self._keys[block_ids[i]] = key

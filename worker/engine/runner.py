@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from canteen.adapters import AdapterRef
 from canteen.plan import (
     FailedSequence,
     NewSequence,
@@ -25,8 +26,13 @@ from worker.attention.batch import BatchBuilder, Row, new_kv_pool
 from worker.attention.interface import PagedBatch
 from worker.engine.constrain import Constraints, GrammarOptions, StepMasks, load_tokenizer
 from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
-from worker.engine.guard import BlockLedger, EntryError
+from worker.engine.guard import BlockLedger, EntryError, root_key
 from worker.engine.sampler import sample
+from worker.lora.adapter import LoraError
+from worker.lora.manager import LoraManager
+from worker.lora.slots import StepLora
+from worker.lora.store import LoraOptions
+from worker.model.forward import FastModel
 from worker.model.loader import LoadedModel
 from worker.speculation.draft import DraftModel, DraftRequest, can_share_kv
 from worker.speculation.speculate import SpeculationConfig, accept, propose_ngram
@@ -43,6 +49,8 @@ class SequenceState:
     num_computed: int
     keys: list[bytes]  # chained content keys of its full computed blocks (worker/engine/guard.py)
     drafts: list[int] = field(default_factory=list)  # this step's draft tokens, if any
+    adapter: AdapterRef | None = None  # its LoRA adapter; None: the base model
+    root: bytes = root_key(None)  # where its block keys' chain starts (worker/engine/guard.py)
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,8 @@ class RunnerConfig:
     forward, or anywhere with ``eager=True``; None: none."""
     grammar: GrammarOptions = field(default_factory=GrammarOptions)
     """How constraints compile (threads, deadline, limits) and their masks fill."""
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    """How many LoRA adapters a step applies and memory holds (worker/lora/)."""
 
 
 class ModelRunner:
@@ -111,6 +121,14 @@ class ModelRunner:
             if draft is not None
             else None
         )
+        fast = isinstance(loaded.forward, FastModel)
+        self.lora = LoraManager(
+            config.lora,
+            loaded.model.config,
+            loaded.dtype,
+            loaded.device,
+            "" if fast else "adapters need Canteen's forward (--forward fast, llama family)",
+        )
         self.graphs = (
             DecodeGraphs(loaded.forward, self.kv_pool, num_blocks, self.max_model_len, graphs)
             if graphed and graphs is not None
@@ -124,10 +142,12 @@ class ModelRunner:
         started = time.perf_counter_ns()
         plan, failed = self._apply(plan)
         if not plan.scheduled:
-            return StepResult(
-                step_id=plan.step_id,
-                failed=tuple(failed),
-                total_ns=time.perf_counter_ns() - started,
+            return self._with_adapters(
+                StepResult(
+                    step_id=plan.step_id,
+                    failed=tuple(failed),
+                    total_ns=time.perf_counter_ns() - started,
+                )
             )
         # the masks of the rows this step samples fill while the forward runs
         masks = self.constraints.begin([i.seq_id for i in plan.scheduled if self._samples(i)])
@@ -145,7 +165,7 @@ class ModelRunner:
         finally:
             self.constraints.finish(masks)  # no fill outlives its step
         done = time.perf_counter_ns()
-        return StepResult(
+        result = StepResult(
             step_id=plan.step_id,
             tokens=tuple(tokens),
             failed=tuple(failed),
@@ -157,6 +177,14 @@ class ModelRunner:
             sample_ns=done - sample_start,
             total_ns=done - started,
         )
+        return self._with_adapters(result)
+
+    def _with_adapters(self, result: StepResult) -> StepResult:
+        """``result`` naming the adapters held, when the set changed."""
+        change = self.lora.resident_change()
+        if change is None:
+            return result
+        return dataclasses.replace(result, resident_adapters=change, adapters_changed=True)
 
     def reset(self) -> None:
         """Forgets every sequence (a new Run stream owns the worker from here on)."""
@@ -177,7 +205,11 @@ class ModelRunner:
                 self._add(new)
             except EntryError as exc:
                 failed[new.seq_id] = FailedSequence(new.seq_id, str(exc))
-        runnable = []
+            except LoraError as exc:  # the request named an adapter this worker cannot serve
+                adapter = new.adapter.id if new.adapter else ""
+                reason = f"sequence {new.seq_id}: adapter {adapter}: {exc}"
+                failed[new.seq_id] = FailedSequence(new.seq_id, reason, is_request_error=True)
+        runnable: list[ScheduledSequence] = []
         for item in plan.scheduled:
             if item.seq_id in failed:
                 continue
@@ -192,6 +224,12 @@ class ModelRunner:
             else:
                 failed[item.seq_id] = failure
                 self._drop(item.seq_id)
+        if any(self.sequences[i.seq_id].adapter for i in runnable):
+            entries = [(i.seq_id, self.sequences[i.seq_id].adapter) for i in runnable]
+            for failure in self.lora.place(entries):
+                failed[failure.seq_id] = failure
+                self._drop(failure.seq_id)
+            runnable = [i for i in runnable if i.seq_id not in failed]
         ok = dataclasses.replace(plan, new_sequences=(), scheduled=tuple(runnable))
         return ok, list(failed.values())
 
@@ -213,6 +251,8 @@ class ModelRunner:
                 f"{len(new.token_ids)} tokens exceed the context of {self.max_model_len}",
             )
         keys = self.ledger.check_new(new)
+        if new.adapter is not None:
+            self.lora.check(new.adapter)  # loaded (digest checked) before anything is held
         if new.sampling.constraint is not None:
             # tokens past the prompt were generated before a resume: the grammar saw them
             generated = new.token_ids[new.num_prompt_tokens :] if new.num_prompt_tokens else ()
@@ -225,6 +265,8 @@ class ModelRunner:
             block_ids=list(new.block_ids),
             num_computed=new.num_cached_tokens,
             keys=keys,
+            adapter=new.adapter,
+            root=root_key(new.adapter),
         )
 
     def _schedule(self, item: ScheduledSequence) -> None:
@@ -257,7 +299,21 @@ class ModelRunner:
                 return self.graphs.run(graphed), list(range(len(graphed)))
             batch, input_ids, positions, sample_rows = self._build(plan)
             keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
+            lora = self._step_lora(plan)
+            if lora is not None:  # only a FastModel runs adapters (LoraManager's refusal)
+                fast: FastModel = self.loaded.forward  # type: ignore[assignment]
+                return fast(input_ids, positions, batch, keep, lora), sample_rows
             return self.loaded.forward(input_ids, positions, batch, keep), sample_rows
+
+    def _step_lora(self, plan: StepPlan) -> StepLora | None:
+        """The step's rows by adapter (after ``_build`` set each sequence's drafts)."""
+        rows = []
+        for item in plan.scheduled:
+            seq = self.sequences[item.seq_id]
+            rows.append(
+                (seq.adapter.id if seq.adapter else None, item.num_tokens + len(seq.drafts))
+            )
+        return self.lora.step(rows, self.loaded.device)
 
     def _graph_rows(self, plan: StepPlan) -> list[DecodeRow] | None:
         """The step as graph rows: every sequence decodes its one last token, drafts none."""
@@ -268,6 +324,8 @@ class ModelRunner:
             seq = self.sequences[item.seq_id]
             position = seq.num_computed
             if item.num_tokens != 1 or position + 1 != len(seq.tokens) or self._draft_limit(item):
+                return None
+            if seq.adapter is not None:  # graphs hold the base linears only
                 return None
             slot = seq.block_ids[position // bs] * bs + position % bs
             blocks = seq.block_ids[: position // bs + 1]
@@ -340,7 +398,7 @@ class ModelRunner:
         for item in plan.scheduled:
             seq = self.sequences[item.seq_id]
             seq.num_computed += item.num_tokens
-            self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed)
+            self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed, seq.root)
             if seq.num_computed == len(seq.tokens):
                 sampling_seqs.append(seq)
         # one row per sampled position: a sequence's last token, then each of its drafts
@@ -371,7 +429,9 @@ class ModelRunner:
                 out.append(SampledToken(seq.seq_id, token, logprobs[row + i], tops[row + i]))
             if len(kept) > 1:  # the accepted drafts' KV was computed with the right tokens
                 seq.num_computed += len(kept) - 1
-                self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed)
+                self.ledger.computed(
+                    seq.block_ids, seq.tokens, seq.keys, seq.num_computed, seq.root
+                )
             seq.drafts = []
             row += n
         return out

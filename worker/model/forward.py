@@ -30,6 +30,7 @@ from canteen.logging import get_logger
 from worker import kernels
 from worker.attention.interface import PagedBatch
 from worker.attention.paged import kernel_groups, layer_view, paged_attention
+from worker.lora.slots import StepLora
 from worker.model.quant import Linear, PackedLinear, Q4Groups, kernel_form, make_linear
 
 log = get_logger(__name__)
@@ -122,8 +123,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 class Layer:
     def __init__(
-        self, hf: nn.Module, prefix: str, shape: Shape, quantization: str, q4: dict[str, Q4Groups]
+        self, hf: nn.Module, index: int, shape: Shape, quantization: str, q4: dict[str, Q4Groups]
     ) -> None:
+        prefix, self.index = f"model.layers.{index}", index
         attn: nn.Module = hf.self_attn  # type: ignore[assignment]
         mlp: nn.Module = hf.mlp  # type: ignore[assignment]
 
@@ -155,9 +157,12 @@ class Layer:
         sin: torch.Tensor,
         pool: torch.Tensor,
         batch: PagedBatch,
+        lora: StepLora | None = None,
     ) -> torch.Tensor:
-        s, tokens = self.shape, x.shape[0]
-        qkv = self.qkv(self.input_norm(x))
+        """One layer; ``lora`` adds each row's adapter delta to every linear's output."""
+        s, tokens, i = self.shape, x.shape[0], self.index
+        h = self.input_norm(x)
+        qkv = self.qkv(h) if lora is None else lora.apply(i, "qkv", h, self.qkv(h))
         q_end, k_end = s.heads * s.head_dim, (s.heads + s.kv_heads) * s.head_dim
         if self.q_norm is not None and self.k_norm is not None:
             q = _rotate(self.q_norm(qkv[:, :q_end].view(tokens, -1, s.head_dim)), cos, sin)
@@ -170,14 +175,17 @@ class Layer:
             qk = _rotate(qkv[:, :k_end].view(tokens, -1, s.head_dim), cos, sin)
             q, k = qk[:, : s.heads], qk[:, s.heads :]
         v = qkv[:, k_end:].view(tokens, -1, s.head_dim)
-        out = self.o(paged_attention(pool, q, k, v, batch, s.scale))
+        h = paged_attention(pool, q, k, v, batch, s.scale)
+        out = self.o(h) if lora is None else lora.apply(i, "o", h, self.o(h))
         x = x + (out if s.residual == 1.0 else out * s.residual)
-        gate_up = self.gate_up(self.post_norm(x))
+        h = self.post_norm(x)
+        gate_up = self.gate_up(h) if lora is None else lora.apply(i, "gate_up", h, self.gate_up(h))
         if self.fused_act:  # torch's silu and mul in one pass, bit for bit
-            out = self.down(torch.ops.canteen.silu_mul(gate_up))
+            h = torch.ops.canteen.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
-            out = self.down(self.act(gate) * up)
+            h = self.act(gate) * up
+        out = self.down(h) if lora is None else lora.apply(i, "down", h, self.down(h))
         return x + (out if s.residual == 1.0 else out * s.residual)
 
 
@@ -238,8 +246,7 @@ class FastModel:
         self.rotary = body.rotary_emb
         self.norm = _norm(body.norm, _uses_kernels(body.norm.weight))
         self.layers = [
-            Layer(layer, f"model.layers.{i}", self.shape, quantization, q4)
-            for i, layer in enumerate(body.layers)
+            Layer(layer, i, self.shape, quantization, q4) for i, layer in enumerate(body.layers)
         ]
         # The head decides every token: it stays at 8 bits under int4.
         head_quantization = "int8" if quantization == "int4" else quantization
@@ -277,7 +284,10 @@ class FastModel:
         positions: torch.Tensor,
         batch: PagedBatch,
         keep: torch.Tensor,
+        lora: StepLora | None = None,
     ) -> torch.Tensor:
+        """``lora``: the step's adapters; a step with adapter rows runs layer by layer
+        (decode_layers has no hook for them; for base rows the two are bit-identical)."""
         x = F.embedding(input_ids, self.embed)
         if self.shape.embedding != 1.0:
             x = x * self.shape.embedding
@@ -286,11 +296,11 @@ class FastModel:
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # signed for _rotate
         stack = self.stack
-        if stack is not None:
+        if stack is not None and lora is None:
             x = self._decode_layers(stack, x, cos, sin, batch)
         else:
             for i, layer in enumerate(self.layers):
-                x = layer(x, cos, sin, layer_view(batch.kv_pool, i), batch)
+                x = layer(x, cos, sin, layer_view(batch.kv_pool, i), batch, lora)
         logits = self.lm_head(self.norm(x.index_select(0, keep)))
         return logits if self.shape.logits == 1.0 else logits / self.shape.logits
 

@@ -1,0 +1,1 @@
+"""LoRA adapters on the worker: loaded on demand, several applied in one step (docs/lora.md)."""

@@ -1,0 +1,196 @@
+"""One PEFT LoRA adapter, read from its folder and checked against the base model.
+
+A PEFT folder holds ``adapter_config.json`` and ``adapter_model.safetensors`` with, per
+targeted projection, ``A`` [r, in] and ``B`` [out, r]; the projection computes
+``base(x) + B(A(x)) * scale``, scale = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA).
+
+Canteen's forward fuses q/k/v and gate/up (worker/model/forward.py), so the adapter is
+rearranged here once, at load, per layer and fused linear ("kind"):
+
+    A  [width, in]   the parts' A stacked: q rows 0..r-1, k rows r..2r-1, v rows 2r..3r-1
+    B  [out, width]  block-diagonal: q's B in q's output rows x q's columns, and so on
+
+width = parts x r rounded up to SLOT_ALIGN; a part the adapter does not target stays zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from canteen.adapters import AdapterRef
+from canteen.models import adapter_files_sha256, read_adapter_files
+
+# fused linear -> the projections it computes side by side, in its output order
+FUSED: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+_KIND_OF = {part: kind for kind, parts in FUSED.items() for part in parts}
+# An adapter's columns start on a multiple of this in the step's stacked B (worker/lora/
+# slots.py), so the kernels' sums along K meet its products in the same order wherever it sits.
+SLOT_ALIGN = 32
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
+
+
+class LoraError(Exception):
+    """Why an adapter cannot be served (a request's error: the adapter, not the worker)."""
+
+
+@dataclass(frozen=True)
+class BaseShape:
+    """What an adapter must fit: the base's layers and each fused linear's sizes."""
+
+    num_layers: int
+    in_features: dict[str, int]  # kind -> input features
+    part_sizes: dict[str, tuple[int, ...]]  # kind -> output features of each part
+
+    @staticmethod
+    def of(config: Any) -> BaseShape:
+        """From a transformers llama-family config."""
+        hidden, inner = config.hidden_size, config.intermediate_size
+        head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        return BaseShape(
+            num_layers=config.num_hidden_layers,
+            in_features={"qkv": hidden, "o": q, "gate_up": hidden, "down": inner},
+            part_sizes={
+                "qkv": (q, kv, kv),
+                "o": (hidden,),
+                "gate_up": (inner, inner),
+                "down": (hidden,),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """An adapter as the forward applies it, in the model's dtype and device."""
+
+    adapter_id: str
+    rank: int
+    scale: float
+    width: dict[str, int]  # kind -> columns (only the kinds it targets)
+    a: list[dict[str, torch.Tensor]]  # per layer, kind -> [width, in]
+    b: list[dict[str, torch.Tensor]]  # per layer, kind -> [out, width]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values()
+        )
+
+
+def _scale(config: dict[str, Any], max_rank: int) -> tuple[int, float]:
+    """(rank, scale) from adapter_config.json; LoraError naming the field it cannot serve."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoraError(f"peft_type={config.get('peft_type')!r}: only LORA adapters are served")
+    rank = config.get("r")
+    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
+        raise LoraError(f"r={rank!r}: the rank must be in 1..{max_rank} (--max-lora-rank)")
+    for name in ("rank_pattern", "alpha_pattern", "modules_to_save"):
+        if config.get(name):
+            raise LoraError(f"{name} is set: per-module ranks and saved modules are not served")
+    if config.get("use_dora"):
+        raise LoraError("use_dora=true: DoRA adapters are not served")
+    if config.get("bias", "none") != "none":
+        raise LoraError(f"bias={config.get('bias')!r}: only bias='none' adapters are served")
+    alpha = float(config.get("lora_alpha", 8))
+    return rank, alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def read_adapter(ref: AdapterRef, verify: bool) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The config and tensors of ``ref``'s folder, after checking the bytes read against the
+    digest the registry recorded (the same bytes are parsed: nothing is read twice)."""
+    try:
+        files = read_adapter_files(Path(ref.path))
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+        raise LoraError(str(exc)) from exc
+    if verify and ref.sha256:
+        actual = adapter_files_sha256(files)
+        if actual != ref.sha256:
+            raise LoraError(
+                f"checksum mismatch for {ref.path}: registry has {ref.sha256}, files have "
+                f"{actual} (the sha256 covers adapter_config.json and adapter_model.safetensors)"
+            )
+    try:
+        config = json.loads(files["adapter_config.json"])
+        tensors = load_safetensors(files["adapter_model.safetensors"])
+    except (ValueError, RuntimeError) as exc:
+        raise LoraError(f"unreadable adapter files in {ref.path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise LoraError("adapter_config.json must hold a JSON object")
+    return config, tensors
+
+
+def _sorted_tensors(
+    tensors: dict[str, torch.Tensor], shape: BaseShape, rank: int
+) -> dict[tuple[int, str, str], torch.Tensor]:
+    """(layer, part, "A" or "B") -> tensor, each checked against the base's shapes."""
+    found: dict[tuple[int, str, str], torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        match = _KEY.search(key)
+        if match is None or match.group(2) not in _KIND_OF:
+            raise LoraError(
+                f"tensor {key}: only q, k, v, o, gate, up and down projections are served"
+            )
+        layer, part, which = int(match.group(1)), match.group(2), match.group(3)
+        if layer >= shape.num_layers:
+            raise LoraError(f"tensor {key}: layer {layer}, the base has {shape.num_layers}")
+        kind = _KIND_OF[part]
+        out = shape.part_sizes[kind][FUSED[kind].index(part)]
+        want = (rank, shape.in_features[kind]) if which == "A" else (out, rank)
+        if tuple(tensor.shape) != want:
+            raise LoraError(
+                f"tensor {key}: shape {list(tensor.shape)}, the base needs {list(want)}"
+            )
+        found[(layer, part, which)] = tensor
+    for layer, part, which in found:
+        if (layer, part, "B" if which == "A" else "A") not in found:
+            raise LoraError(f"layer {layer} {part}: lora_A and lora_B must come together")
+    if not found:
+        raise LoraError("adapter_model.safetensors holds no LoRA tensors")
+    return found
+
+
+def load_adapter(
+    ref: AdapterRef,
+    shape: BaseShape,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_rank: int,
+    verify: bool = True,
+) -> LoraWeights:
+    """``ref`` read, checked and laid out for the fused linears; LoraError says why not."""
+    config, tensors = read_adapter(ref, verify)
+    rank, scale = _scale(config, max_rank)
+    found = _sorted_tensors(tensors, shape, rank)
+    kinds = sorted({_KIND_OF[part] for _, part, _ in found})
+    width = {k: -(-len(FUSED[k]) * rank // SLOT_ALIGN) * SLOT_ALIGN for k in kinds}
+    a_layers: list[dict[str, torch.Tensor]] = []
+    b_layers: list[dict[str, torch.Tensor]] = []
+    for layer in range(shape.num_layers):
+        a_of: dict[str, torch.Tensor] = {}
+        b_of: dict[str, torch.Tensor] = {}
+        for kind in kinds:
+            a = torch.zeros(width[kind], shape.in_features[kind], dtype=torch.float32)
+            b = torch.zeros(sum(shape.part_sizes[kind]), width[kind], dtype=torch.float32)
+            row = 0
+            for i, (part, out) in enumerate(zip(FUSED[kind], shape.part_sizes[kind], strict=True)):
+                if (layer, part, "A") in found:
+                    a[i * rank : (i + 1) * rank] = found[(layer, part, "A")]
+                    b[row : row + out, i * rank : (i + 1) * rank] = found[(layer, part, "B")]
+                row += out
+            a_of[kind], b_of[kind] = a.to(device, dtype), b.to(device, dtype)
+        a_layers.append(a_of)
+        b_layers.append(b_of)
+    return LoraWeights(ref.id, rank, scale, width, a_layers, b_layers)
