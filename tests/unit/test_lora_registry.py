@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from canteen.cli import parse_add_spec
 from canteen.models import adapter_sha256
 from canteen.v1 import registry_pb2 as pb
 from registry.aliases import Alias, AliasTarget
@@ -191,3 +192,12 @@ async def test_the_base_survives_a_restart_and_an_old_database_gains_the_column(
     reopened = ModelStore(str(db))
     assert reopened.get("sql-writer", "v1").base == "base:v1"
     assert [a.name for a in reopened.adapters_of("base:v1")] == ["sql-writer"]
+
+
+def test_models_add_takes_name_version_path_or_the_flags() -> None:
+    assert parse_add_spec("sql-writer:v1=/m/sql", "", "") == ("sql-writer", "v1", "/m/sql")
+    assert parse_add_spec("/m/sql", "sql-writer", "v1") == ("sql-writer", "v1", "/m/sql")
+    with pytest.raises(SystemExit, match="use NAME:VERSION=PATH, or PATH --name N --version V"):
+        parse_add_spec("/m/sql", "", "")
+    with pytest.raises(SystemExit, match="--name and --version go together"):
+        parse_add_spec("/m/sql", "sql-writer", "")

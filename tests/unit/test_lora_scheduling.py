@@ -23,7 +23,7 @@ from scheduler.lora import ADAPTER_LOAD_TOKENS
 from scheduler.router import WorkerPool, pick_worker
 from scheduler.sequence import Sequence
 from scheduler.server import STATUS_OF
-from scheduler.service import AdapterNotServedError, SchedulerService
+from scheduler.service import AdapterNotServedError, InvalidRequestError, SchedulerService
 from tests.unit.test_prefix_cache import BS, ONE_AT_A_TIME, KVWorker, expected, make, run
 
 SQL = AdapterRef("sql-writer", "v1", "/models/sql", "a" * 64)
@@ -197,3 +197,12 @@ def test_admission_counts_an_adapter_load_as_work() -> None:
     # 64 tokens: 8 + 4 for the sql prompts, 32 for loading sql-writer, 20 of the base prompt
     assert first_plan(frozenset()) == {"sql": 8, "sql-2": 4, "base": 64 - 12 - ADAPTER_LOAD_TOKENS}
     assert first_plan(frozenset({SQL.id})) == {"sql": 8, "sql-2": 4, "base": 40}
+
+
+async def test_an_adapter_without_its_digest_is_refused_naming_the_fields() -> None:
+    service = await _service(4)
+    unsigned = dataclasses.replace(SQL, sha256="")
+    request = Request("r1", "base", (1, 2, 3), 4, Sampling(), adapter=unsigned)
+    with pytest.raises(InvalidRequestError) as caught:
+        service._admit(request, "")
+    assert str(caught.value) == "adapter='sql-writer': version, path and sha256 are all required"
