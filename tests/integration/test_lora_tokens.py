@@ -182,12 +182,18 @@ def test_the_openai_client_names_an_adapter_like_any_model(
         prompt=PROMPT,
         max_tokens=10,
         temperature=0,
+        logprobs=1,  # each token's text comes from the base's tokenizer, found by the adapter
         extra_body={"ignore_eos": True},
     )
     tok = reference.tokenizer(tiny_model_dir)
     want = expected(tiny_model_dir, stack.root / "poet", PROMPT, 10)
     assert reply.choices[0].text == tok.decode(want, skip_special_tokens=True)  # type: ignore[attr-defined]
     assert reply.model == "poet:v1"
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens == [
+        tok.decode([t], skip_special_tokens=False)  # type: ignore[attr-defined]
+        for t in want
+    ]
     models = {m.id: getattr(m, "parent", None) for m in client.models.list()}
     assert models["poet"] == "tiny" and models["tiny"] is None
 
