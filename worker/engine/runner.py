@@ -30,7 +30,6 @@ from worker.engine.guard import BlockLedger, EntryError, root_key
 from worker.engine.sampler import sample
 from worker.lora.adapter import LoraError
 from worker.lora.manager import LoraManager
-from worker.lora.slots import StepLora
 from worker.lora.store import LoraOptions
 from worker.model.forward import FastModel
 from worker.model.loader import LoadedModel
@@ -142,7 +141,7 @@ class ModelRunner:
         started = time.perf_counter_ns()
         plan, failed = self._apply(plan)
         if not plan.scheduled:
-            return self._with_adapters(
+            return self.lora.annotate(
                 StepResult(
                     step_id=plan.step_id,
                     failed=tuple(failed),
@@ -177,14 +176,7 @@ class ModelRunner:
             sample_ns=done - sample_start,
             total_ns=done - started,
         )
-        return self._with_adapters(result)
-
-    def _with_adapters(self, result: StepResult) -> StepResult:
-        """``result`` naming the adapters held, when the set changed."""
-        change = self.lora.resident_change()
-        if change is None:
-            return result
-        return dataclasses.replace(result, resident_adapters=change, adapters_changed=True)
+        return self.lora.annotate(result)
 
     def reset(self) -> None:
         """Forgets every sequence (a new Run stream owns the worker from here on)."""
@@ -299,21 +291,13 @@ class ModelRunner:
                 return self.graphs.run(graphed), list(range(len(graphed)))
             batch, input_ids, positions, sample_rows = self._build(plan)
             keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
-            lora = self._step_lora(plan)
+            seqs = [(self.sequences[i.seq_id], i.num_tokens) for i in plan.scheduled]
+            rows = [(s.adapter, n + len(s.drafts)) for s, n in seqs]  # drafts set by _build
+            lora = self.lora.step(rows, self.loaded.device)
             if lora is not None:  # only a FastModel runs adapters (LoraManager's refusal)
                 fast: FastModel = self.loaded.forward  # type: ignore[assignment]
                 return fast(input_ids, positions, batch, keep, lora), sample_rows
             return self.loaded.forward(input_ids, positions, batch, keep), sample_rows
-
-    def _step_lora(self, plan: StepPlan) -> StepLora | None:
-        """The step's rows by adapter (after ``_build`` set each sequence's drafts)."""
-        rows = []
-        for item in plan.scheduled:
-            seq = self.sequences[item.seq_id]
-            rows.append(
-                (seq.adapter.id if seq.adapter else None, item.num_tokens + len(seq.drafts))
-            )
-        return self.lora.step(rows, self.loaded.device)
 
     def _graph_rows(self, plan: StepPlan) -> list[DecodeRow] | None:
         """The step as graph rows: every sequence decodes its one last token, drafts none."""

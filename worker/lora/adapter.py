@@ -37,8 +37,10 @@ FUSED: dict[str, tuple[str, ...]] = {
 }
 _KIND_OF = {part: kind for kind, parts in FUSED.items() for part in parts}
 # An adapter's columns start on a multiple of this in the step's stacked B (worker/lora/
-# slots.py), so the kernels' sums along K meet its products in the same order wherever it sits.
-SLOT_ALIGN = 32
+# slots.py). skinny_linear sums each output along K in order, one float32 (or one pair of
+# bfloat16) at a time, so the other slots' zeros leave an adapter's sums as they are wherever
+# it sits; 16 keeps its bfloat16 pairs and 16-wide K blocks aligned, and a rank of 16 whole.
+SLOT_ALIGN = 16
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 

@@ -8,12 +8,13 @@ its rows are grouped by adapter once, into one index tensor per adapter.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from canteen.adapters import AdapterRef
-from canteen.plan import FailedSequence
+from canteen.plan import FailedSequence, StepResult
 from worker.lora.adapter import BaseShape, LoraError
 from worker.lora.slots import LoraSlots, StepLora
 from worker.lora.store import AdapterStore, LoraMetrics, LoraOptions
@@ -92,25 +93,25 @@ class LoraManager:
         return failed
 
     def step(
-        self, row_adapters: list[tuple[str | None, int]], device: torch.device
+        self, row_adapters: list[tuple[AdapterRef | None, int]], device: torch.device
     ) -> StepLora | None:
-        """The step's adapters for rows in flat order (adapter id or None, its tokens);
-        None when every row is the base model's."""
+        """The step's adapters for rows in flat order (adapter or None, its tokens); None
+        when every row is the base model's."""
         starts: dict[str, list[int]] = {}
         flat = 0
-        for adapter_id, num_tokens in row_adapters:
-            if adapter_id is not None:
-                starts.setdefault(adapter_id, []).extend(range(flat, flat + num_tokens))
+        for adapter, num_tokens in row_adapters:
+            if adapter is not None:
+                starts.setdefault(adapter.id, []).extend(range(flat, flat + num_tokens))
             flat += num_tokens
         if not starts:
             return None
         rows = {a: torch.tensor(ix, dtype=torch.long, device=device) for a, ix in starts.items()}
         return self.slots.step(rows, flat, self.dtype)
 
-    def resident_change(self) -> tuple[str, ...] | None:
-        """The ids held in memory when they changed since the last call, else None."""
+    def annotate(self, result: StepResult) -> StepResult:
+        """``result`` naming the adapters held in memory, when they changed since the last."""
         now = self.store.ids()
         if now == self._resident:
-            return None
+            return result
         self._resident = now
-        return now
+        return dataclasses.replace(result, resident_adapters=now, adapters_changed=True)

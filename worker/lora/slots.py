@@ -75,6 +75,14 @@ class LoraSlots:
     def ids(self) -> list[str]:
         return [w.adapter_id for w in self._slots]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stacked copies the forward reads."""
+        linears = [lin for per in self._stacked for st in per.values() for lin in (st.a, st.b)]
+        return sum(
+            t.nbytes for lin in linears for t in vars(lin).values() if isinstance(t, torch.Tensor)
+        )
+
     def place(self, needed: list[LoraWeights]) -> list[str]:
         """Puts every adapter of ``needed`` (at most max_loras) in a slot, replacing the least
         recently used others; returns the ids replaced."""
