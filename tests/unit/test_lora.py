@@ -252,3 +252,23 @@ def test_max_loras_zero_refuses_adapters(models: tuple[Path, list[AdapterRef]]) 
     assert [(f.error, f.is_request_error) for f in result.failed] == [
         ("sequence s: adapter a0:1: this worker serves no LoRA adapters (--max-loras 0)", True)
     ]
+
+
+def test_an_adapter_sequence_may_not_claim_blocks_the_base_computed(
+    models: tuple[Path, list[AdapterRef]],
+) -> None:
+    base, adapters = models
+    runner = _runner(base)
+    prompt = tuple(PROMPTS[2])  # 17 tokens: two full blocks of 8
+    first = NewSequence("first", prompt, Sampling(0.0), (0, 1, 2))
+    assert not runner.step(StepPlan(0, (first,), (ScheduledSequence("first", 17),))).failed
+
+    def claim(seq_id: str, adapter: AdapterRef | None) -> StepResult:
+        new = NewSequence(seq_id, prompt, Sampling(0.0), (0, 3, 4), 8, adapter=adapter)
+        return runner.step(StepPlan(1, (new,), (ScheduledSequence(seq_id, 9),)))
+
+    refused = claim("lora", adapters[0])
+    assert [f.error for f in refused.failed] == [
+        "sequence lora: block 0 does not hold its tokens 0..7 (num_cached_tokens claims it does)"
+    ]
+    assert not claim("plain", None).failed  # the base's own chain: the same blocks are its
