@@ -105,6 +105,8 @@ def stream(client: openai.OpenAI, out: Outcome, **body: Any) -> Outcome:
         out.accepted, out.reason = False, str(body_.get("message", exc.message))
     except openai.APITimeoutError:
         out.is_timeout, out.reason = True, "timed out"
+    except openai.APIError as exc:  # a failure mid-stream (a lost worker, say): this one
+        out.accepted, out.reason = False, f"failed: {exc.message}"
     out.seconds = time.perf_counter() - started
     out.calls = [(n, a) for _, (n, a) in sorted(calls.items())]
     out.text = "".join(text)
@@ -226,9 +228,9 @@ def summarize(
     compiles = {n for n, e in engine.items() if not e["error"]}
     ttft = _median([o.ttft for o in accepted if o.ttft is not None])
     plain_ttft = _median([o.ttft for o in plain[0] if o.ttft is not None])
-    engine_s = statistics.median(e["seconds"] for e in engine.values())
-    tps = sum(o.num_tokens for o in accepted) / wall
-    plain_tps = sum(o.num_tokens for o in plain[0]) / plain[1]
+    engine_s = _median([e["seconds"] for e in engine.values()]) or 0.0
+    tps = sum(o.num_tokens for o in accepted) / wall if wall else 0.0
+    plain_tps = sum(o.num_tokens for o in plain[0]) / plain[1] if plain[1] else 0.0
     named = [t for t in tools if t.id.startswith("simple")]
     return {
         "schemas": len(got),
@@ -247,7 +249,7 @@ def summarize(
         "ttft_median_s": ttft,
         "plain_ttft_median_s": plain_ttft,
         "engine_compile_median_s": engine_s,
-        "engine_compile_max_s": max(e["seconds"] for e in engine.values()),
+        "engine_compile_max_s": max((e["seconds"] for e in engine.values()), default=None),
         "ttft_target_met": None
         if ttft is None or plain_ttft is None
         else ttft <= 2 * plain_ttft + engine_s,
@@ -278,12 +280,23 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="only the first N of each sample")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--json", type=Path, help="write outcomes and summary here")
+    parser.add_argument("--keep", type=Path, help="run the suite in this folder (its logs stay)")
+    parser.add_argument("--tools-only", action="store_true", help="only the tool-calling phase")
     args = parser.parse_args()
     schemas, tool_cases = load_sample()
     if args.limit:
         half = max(args.limit // 4, 1)
         schemas, tool_cases = schemas[: args.limit], tool_cases[:half] + tool_cases[-half:]
-    with tempfile.TemporaryDirectory() as tmp, suite_url(args.tiny, Path(tmp)) as (url, model, hf):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        suite_url(args.tiny, args.keep or Path(tmp)) as (
+            url,
+            model,
+            hf,
+        ),
+    ):
+        if args.tools_only:
+            schemas = []
         engine = engine_compiles(schemas, hf)
         client = openai.OpenAI(
             base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=args.timeout
