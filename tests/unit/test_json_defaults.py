@@ -67,7 +67,7 @@ def test_the_grammar_refuses_an_extra_property_unless_asked_for() -> None:
 
 
 def test_formats_the_engine_does_not_know_are_dropped_and_known_ones_kept() -> None:
-    schema = {
+    schema: dict[str, Any] = {
         "type": "object",
         "properties": {
             "a": {"type": "string", "format": "uri-reference"},
