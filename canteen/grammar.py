@@ -1,12 +1,15 @@
 """Constraints compiled by a maintained grammar engine (llguidance), cached by content.
 
 The gateway compiles a request's constraint with the model's tokenizer before any token is
-made, so a bad schema or grammar is refused with the engine's reason; the worker compiles the
-same constraint again to build a matcher per sequence. Both keep the compiled grammar in an
-LRU keyed by the constraint itself, so a schema seen before costs a dictionary lookup; the
-worker also keeps a matcher built once per constraint and hands each sequence a copy of it.
-Compiles run under the engine's resource limits (``LLParserLimits``) when given, and may run
-on several threads at once. No torch here: the gateway imports it.
+made (on a preparation thread, never on its event loop), so a bad schema or grammar is
+refused with the engine's reason; the worker compiles the same constraint again, on its
+compile threads while the forward runs, to build a matcher per sequence. Each process keeps
+the compiled grammar in an LRU keyed by the constraint itself, so a schema seen before costs
+a dictionary lookup; the worker also keeps a matcher built once per constraint and hands each
+sequence a copy of it. Compiles run under the engine's resource limits (``LLParserLimits``)
+when given, and several may run at once: only the cache is locked, never a compile. Every
+compile counts in ``canteen_grammar_compiles_total`` (by kind and outcome). No torch here:
+the gateway imports it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from typing import Any, TypeVar
 
 import llguidance
 import llguidance.hf
+from prometheus_client import Counter
 
-from canteen.json_defaults import closed_objects
+from canteen.json_defaults import engine_schema
 from canteen.plan import Constraint
 from canteen.regex_dialect import ascii_classes
 
@@ -34,6 +38,16 @@ JSON_STYLE: Any = {
     "key_separator": ": ",
     "whitespace_flexible": False,
 }
+
+
+# Registered by each service on its own registry (gateway/metrics.py, worker/engine/observe.py):
+# one count per compile the engine ran, so a cache hit never counts.
+GRAMMAR_COMPILES = Counter(
+    "canteen_grammar_compiles",
+    "Constraints compiled by the grammar engine (cache misses), by kind and outcome",
+    ("kind", "outcome"),
+    registry=None,
+)
 
 
 class ConstraintError(ValueError):
@@ -60,13 +74,13 @@ def grammar_text(constraint: Constraint) -> str:
 
 
 def _closed(schema_text: str) -> Any:
-    """The schema with the default of canteen/json_defaults.py; text that is not JSON goes to
+    """The schema with the defaults of canteen/json_defaults.py; text that is not JSON goes to
     the engine as it is, which names the error."""
     try:
         schema = json.loads(schema_text)
     except ValueError:
         return schema_text
-    return closed_objects(schema)
+    return engine_schema(schema)
 
 
 class GrammarCompiler:
@@ -96,6 +110,8 @@ class GrammarCompiler:
             found = _lookup(self._cache, constraint)
         if found is None:  # compiled outside the lock: other constraints need not wait
             found = self._check(constraint)
+            outcome = "refused" if isinstance(found, ConstraintError) else "compiled"
+            GRAMMAR_COMPILES.labels(constraint.kind, outcome).inc()
             with self._lock:
                 _store(self._cache, constraint, found)
         if isinstance(found, ConstraintError):

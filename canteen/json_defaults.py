@@ -10,6 +10,12 @@ compiles with ``strict_mode`` on (extra properties and items refused), and vLLM 
 object with no ``properties`` (``{"type": "object"}``, ``json_object``) stays open: it has
 nothing else to hold. Every answer under the closed schema still validates against the
 schema as written.
+
+``format`` is an annotation in JSON Schema unless a validator is told to assert it (2019-09
+and later; the ``jsonschema`` package checks none by default). The engine enforces the formats
+it knows (``ENGINE_FORMATS``) and refuses a schema naming any other; such a ``format`` (e.g.
+``uri-reference``, ``regex``, ``color``) is dropped here, so the value is a plain string, as a
+validator that does not assert formats reads it.
 """
 
 from __future__ import annotations
@@ -34,28 +40,42 @@ _LIST = ("anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
+# the string formats llguidance builds a grammar for (others it refuses as "Unknown format")
+ENGINE_FORMATS = frozenset(
+    {"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"}
+)
+
+
+def engine_schema(schema: Any) -> Any:
+    """``schema`` as the grammar engine gets it: objects closed (``closed_objects``) and
+    formats the engine does not know dropped (a copy; the input is untouched)."""
+    return _close(schema, is_part=False, is_engine=True)
+
+
 def closed_objects(schema: Any) -> Any:
     """``schema`` with its listed-property objects closed (a copy; the input is untouched).
     Members of ``allOf`` are not closed themselves, since each lists only part of the
     properties the intersection allows."""
-    return _close(schema, is_part=False)
+    return _close(schema, is_part=False, is_engine=False)
 
 
-def _close(schema: Any, is_part: bool) -> Any:
+def _close(schema: Any, is_part: bool, is_engine: bool) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _ONE:
         if isinstance(out.get(key), dict):
-            out[key] = _close(out[key], is_part=False)
+            out[key] = _close(out[key], False, is_engine)
     for key in _LIST:
         if isinstance(out.get(key), list):
-            out[key] = [_close(s, is_part=False) for s in out[key]]
+            out[key] = [_close(s, False, is_engine) for s in out[key]]
     if isinstance(out.get("allOf"), list):
-        out["allOf"] = [_close(s, is_part=True) for s in out["allOf"]]
+        out["allOf"] = [_close(s, True, is_engine) for s in out["allOf"]]
     for key in _MAP:
         if isinstance(out.get(key), dict):
-            out[key] = {name: _close(s, is_part=False) for name, s in out[key].items()}
+            out[key] = {name: _close(s, False, is_engine) for name, s in out[key].items()}
+    if is_engine and isinstance(out.get("format"), str) and out["format"] not in ENGINE_FORMATS:
+        del out["format"]  # an annotation the engine cannot enforce
     lists = "properties" in out or "patternProperties" in out
     says = "additionalProperties" in out or "unevaluatedProperties" in out
     if lists and not says and not is_part:

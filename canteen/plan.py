@@ -23,7 +23,7 @@ MAX_STREAM_INTERVAL = 64  # most tokens a streamed message may gather (1 = each 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 CONSTRAINT_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
-MAX_CONSTRAINT_CHARS = 64 * 1024  # a schema, regex or grammar; choices count all options
+MAX_CONSTRAINT_CHARS = 512 * 1024  # a schema, regex or grammar; choices count all options
 MAX_CHOICES = 1024
 
 

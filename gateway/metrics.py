@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from canteen.grammar import GRAMMAR_COMPILES
 from canteen.metrics import REQUEST_BUCKETS, TOKEN_BUCKETS
 from canteen.tracing import context_from_traceparent, get_tracer
 
@@ -26,6 +27,8 @@ class GatewayMetrics:
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, _MODEL, registry=registry)
+
+        registry.register(GRAMMAR_COMPILES)  # the checks of constraints and tools' parameters
 
         self.requests = Counter(
             "canteen_requests",

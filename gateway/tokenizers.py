@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,9 @@ class Tokenizer:
         self.hf = hf
         self.vocab_size = len(hf)
         self.model_type = model_type
-        self._grammar: GrammarCompiler | None = None
-        # Preparation threads share this tokenizer: the grammar cache is not thread-safe.
-        self._grammar_lock = threading.Lock()
+        # Built here, on the loading thread (about a second for a 49k vocabulary), so no
+        # request pays for it; compiles then run on the preparation threads side by side.
+        self.grammar = GrammarCompiler(hf)
         # A fast tokenizer's Rust core, called directly: encode_batch releases the GIL (so
         # the event loop runs meanwhile) and sets no truncation state another thread shares.
         self._rust = hf.backend_tokenizer if isinstance(hf, PreTrainedTokenizerFast) else None
@@ -55,20 +54,15 @@ class Tokenizer:
         return self.native_tool_format
 
     def check_constraint(self, constraint: Constraint) -> None:
-        """Compiles ``constraint`` for this tokenizer (cached by content); raises
-        ConstraintError naming what the grammar engine refused."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                self._grammar = GrammarCompiler(self.hf)
-            self._grammar.compile(constraint)
+        """Compiles ``constraint`` for this tokenizer (cached by content; thread-safe, and
+        compiles of different constraints run at once); raises ConstraintError naming what
+        the grammar engine refused."""
+        self.grammar.compile(constraint)
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:
         """Each token's own bytes (for logprobs): a byte-level token that is part of a
         UTF-8 character gives that byte, where its decoded text would be U+FFFD."""
-        with self._grammar_lock:
-            if self._grammar is None:
-                self._grammar = GrammarCompiler(self.hf)
-            engine = self._grammar.tokenizer
+        engine = self.grammar.tokenizer
         return [engine.decode_bytes([i]) for i in ids]
 
     def encode(self, text: str) -> list[int]:

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any, NotRequired, Required, TypedDict
 
-from canteen.json_defaults import closed_objects
+from canteen.json_defaults import engine_schema
 from canteen.plan import Constraint, Sampling
 from gateway.errors import InvalidInputError, clip
 
@@ -209,7 +209,7 @@ def _call_schema(function: Function) -> dict[str, Any]:
         key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments
     }
     arguments.setdefault("type", "object")
-    closed: dict[str, Any] = closed_objects(
+    closed: dict[str, Any] = engine_schema(
         {
             "x-guidance": _COMPACT,
             "type": "object",

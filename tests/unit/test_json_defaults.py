@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from canteen.grammar import GrammarCompiler
-from canteen.json_defaults import closed_objects
+from canteen.json_defaults import ENGINE_FORMATS, closed_objects, engine_schema
 from canteen.plan import Constraint
 from tests.support.tiny_model import build_tokenizer
 
@@ -64,3 +64,27 @@ def test_the_grammar_refuses_an_extra_property_unless_asked_for() -> None:
     assert _accepts(compiler, {"properties": A}, '{"a": "x"}')
     assert not _accepts(compiler, {"properties": A}, extra)
     assert _accepts(compiler, {"properties": A, "additionalProperties": True}, extra)
+
+
+def test_formats_the_engine_does_not_know_are_dropped_and_known_ones_kept() -> None:
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "format": "uri-reference"},
+            "b": {"type": "array", "items": {"type": "string", "format": "date"}},
+        },
+        "$defs": {"c": {"anyOf": [{"format": "color"}, {"format": "uuid"}]}},
+    }
+    out = engine_schema(schema)
+    assert out["properties"]["a"] == {"type": "string"}
+    assert out["properties"]["b"]["items"] == {"type": "string", "format": "date"}
+    assert out["$defs"]["c"]["anyOf"] == [{}, {"format": "uuid"}]
+    assert out["additionalProperties"] is False
+    assert closed_objects(schema)["properties"]["a"]["format"] == "uri-reference"
+    assert schema["properties"]["a"]["format"] == "uri-reference"  # the input is untouched
+
+
+@pytest.mark.parametrize("name", sorted(ENGINE_FORMATS))
+def test_every_kept_format_compiles(name: str) -> None:
+    schema = json.dumps({"type": "string", "format": name})
+    GrammarCompiler(build_tokenizer()).compile(Constraint("json_schema", text=schema))

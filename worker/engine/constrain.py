@@ -8,6 +8,7 @@ far: a sequence resumed after a preemption or a failover replays them into a fre
 
 Grammar work stays off the step thread's path where it can:
 
+    start-up       the tokenizer and the engine's view of it load on their own thread
     plan arrives   compile starts on a small thread pool (under the worker's limits)
     step top       masks of the rows this step samples start filling, all in one
                    parallel llguidance call (a row's mask needs only its earlier tokens)
@@ -35,8 +36,11 @@ from llguidance.numpy import fill_next_token_bitmask_par
 from transformers import AutoTokenizer
 
 from canteen.grammar import ConstraintError, GrammarCompiler
+from canteen.logging import get_logger
 from canteen.plan import Constraint
 from worker.engine.guard import EntryError
+
+log = get_logger(__name__)
 
 # the engine's words for a broken limit -> the worker flag that sets that limit
 _LIMIT_FLAGS = (
@@ -145,6 +149,17 @@ class Constraints:
                 return self._compiler
             finally:
                 self._loaded.set()
+
+    def preload(self) -> None:
+        """Loads the tokenizer and the engine's view of it on a thread of its own, now rather
+        than on the first constrained sequence: a GGUF tokenizer takes seconds to build."""
+        threading.Thread(target=self._preload, name="grammar-tokenizer", daemon=True).start()
+
+    def _preload(self) -> None:
+        try:
+            self.compiler  # noqa: B018 -- the property loads it
+        except Exception as exc:  # the first compile tries again and fails its sequence
+            log.warning("grammar tokenizer did not load", error=str(exc))
 
     def add(self, seq_id: str, constraint: Constraint, generated: Sequence[int]) -> None:
         """Starts building ``seq_id``'s matcher off this thread; it replays the tokens the

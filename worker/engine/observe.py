@@ -5,6 +5,7 @@ from __future__ import annotations
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from canteen.grammar import GRAMMAR_COMPILES
 from canteen.metrics import TOKEN_BUCKETS
 from canteen.plan import NewSequence, StepPlan, StepResult
 from canteen.tracing import context_from_traceparent, get_tracer
@@ -16,6 +17,7 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, model: str, version: str) -> None:
         labels = ("model", "version")
         self._labels = (model, version)
+        registry.register(GRAMMAR_COMPILES)  # the matchers' grammars
         self.step_duration = Histogram(
             "canteen_worker_step_duration_seconds",
             "Seconds of one step on the worker (forward and sampling); kind=prefill when it "

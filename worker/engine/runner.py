@@ -98,6 +98,7 @@ class ModelRunner:
             loaded.eos_token_ids,
             config.grammar,
         )
+        self.constraints.preload()
         # A decode group gathers at most what the warm-up's decode did (one sequence after a
         # max_batched_tokens prefill), so the warm-up's peak bounds every later step's memory.
         self.max_group_blocks = min(num_blocks, self.blocks_for(max_batched_tokens + 1))
