@@ -3,9 +3,12 @@
 One suite on SmolLM2; each round runs N concurrent streams of M new tokens (ignore_eos)
 over gRPC (canteen.v1.Inference/Generate) and then over HTTP (server-sent events from
 /v1/chat/completions, read with aiohttp), alternating which goes first. The ratio per
-round is paired.
+round is paired. Each run also reports the CPU microseconds per generated token of the
+gateway and of the scheduler (process user + system time): the edge's own cost, which the
+client's parsing (in this process, not niced) does not blur.
 
 Usage: python bench/http_vs_grpc.py [--streams 16] [--tokens 64] [--rounds 3] [--json out.json]
+A short run: --rounds 1 --tokens 32.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -77,6 +81,10 @@ async def over_http(url: str, n: int, tokens: int) -> float:
     return produced / (time.perf_counter() - start)
 
 
+def cpu_seconds(pid: int) -> float:
+    return sum(psutil.Process(pid).cpu_times()[:2])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -87,9 +95,13 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     results: dict[str, list[float]] = {"grpc": [], "http": []}
+    cpu_us: dict[str, dict[str, list[float]]] = {
+        kind: {"gateway": [], "scheduler": []} for kind in results
+    }
     with tempfile.TemporaryDirectory() as tmp:
         with default_model_stack(Path(tmp), worker_args=["--kv-cache-memory", "512MiB"]) as s:
             gateway = s.gateway
+            pids = {"gateway": gateway.process.pid, "scheduler": s.scheduler.process.pid}
             asyncio.run(over_grpc(gateway.address, 2, 4))  # warm both paths
             asyncio.run(over_http(gateway.http_url, 2, 4))
             for r in range(args.rounds):
@@ -100,10 +112,16 @@ def main() -> None:
                         if kind == "http"
                         else over_grpc(gateway.address, args.streams, args.tokens)
                     )
+                    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
                     results[kind].append(asyncio.run(run))
+                    for name, pid in pids.items():
+                        used = cpu_seconds(pid) - before[name]
+                        cpu_us[kind][name].append(1e6 * used / (args.streams * args.tokens))
                 print(
                     f"round {r + 1}: grpc {results['grpc'][-1]:.1f} tok/s, "
-                    f"http {results['http'][-1]:.1f} tok/s",
+                    f"http {results['http'][-1]:.1f} tok/s; gateway CPU us/token "
+                    f"grpc {cpu_us['grpc']['gateway'][-1]:.1f}, "
+                    f"http {cpu_us['http']['gateway'][-1]:.1f}",
                     flush=True,
                 )
     paired = [h / g for h, g in zip(results["http"], results["grpc"], strict=True)]
@@ -113,6 +131,10 @@ def main() -> None:
         "tok_per_s": results,
         "http_over_grpc_per_round": paired,
         "http_over_grpc_median": statistics.median(paired),
+        "cpu_us_per_token_median": {
+            kind: {name: round(statistics.median(v), 1) for name, v in by.items()}
+            for kind, by in cpu_us.items()
+        },
     }
     print(json.dumps(report, indent=2))
     if args.json:

@@ -5,8 +5,10 @@ One registry, scheduler and worker, and two gateways in front of the scheduler:
 ``--scheduler-stream shared`` (the default) and ``--scheduler-stream per-request``. Rounds
 alternate which gateway goes first, and every run has its own prompts (no prefix cache helps
 either side). Prints one JSON line per run, in the order they ran: tokens per second, and the
-CPU microseconds per generated token of the scheduler and of that run's gateway. The client
-runs at nice 19 in its own process.
+CPU microseconds per generated token of the scheduler and of that run's gateway, and the
+scheduler's CPU microseconds per worker step (a step's cost does not fall with the stream
+interval; a token's share of it falls with the streams in the step). The client runs at
+nice 19 in its own process.
 
 ``--stream-interval N`` starts both gateways with that default stream interval (tokens per
 message after a request's first; the shared stream honours it, a per-request stream sends
@@ -31,11 +33,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import NicedClient, questions
+from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support.suite import Service, Suite, wait_serving
 
 MODES = ("shared", "per-request")
@@ -75,20 +79,33 @@ def cpu(service: Service) -> float:
     return sum(psutil.Process(service.process.pid).cpu_times()[:2])
 
 
+def num_steps(scheduler: Service) -> int:
+    """Steps the scheduler's workers have run so far (its GetStats)."""
+    with grpc.insecure_channel(scheduler.address) as channel:
+        stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(
+            scheduler_pb2.GetStatsRequest(), timeout=10
+        )
+    return sum(w.num_steps for w in stats.workers)
+
+
 def run(
     client: NicedClient, scheduler: Service, gateway: Service, streams: int, tokens: int, tag: str
 ) -> dict[str, float]:
+    steps = num_steps(scheduler)
     before = cpu(scheduler), cpu(gateway)
     started = time.perf_counter()
     tps = client.run(gateway.address, questions(streams, tag), tokens)
     wall = time.perf_counter() - started
     used = cpu(scheduler) - before[0], cpu(gateway) - before[1]
+    steps = max(num_steps(scheduler) - steps, 1)
     made = streams * tokens
     return {
         "tok_s": round(tps, 1),
         "wall_s": round(wall, 3),
         "scheduler_us": round(1e6 * used[0] / made, 1),
         "gateway_us": round(1e6 * used[1] / made, 1),
+        "steps": steps,
+        "scheduler_us_per_step": round(1e6 * used[0] / steps, 1),
     }
 
 
@@ -148,6 +165,7 @@ def main() -> None:
             "median_tok_s": {m: medians[m]["tok_s"] for m in modes},
             "scheduler_us": {m: medians[m]["scheduler_us"] for m in modes},
             "gateway_us": {m: medians[m]["gateway_us"] for m in modes},
+            "scheduler_us_per_step": {m: medians[m]["scheduler_us_per_step"] for m in modes},
             "edge_us": {
                 m: round(medians[m]["scheduler_us"] + medians[m]["gateway_us"], 1) for m in modes
             },

@@ -33,10 +33,11 @@ from gateway.openai_api import OpenAIRequest, parse_request
 from gateway.openai_messages import check_text, parse_messages
 from gateway.openai_responses import (
     ChoiceResult,
+    ChunkEncoder,
     TokenLogprobs,
-    chunks_json,
     logprobs_json,
     response_json,
+    sse,
     usage_chunk_json,
     usage_json,
 )
@@ -241,14 +242,14 @@ class HttpEdge:
         await response.prepare(request)
         usages: dict[int, Usage] = {}
         model = ""
+        chunks = ChunkEncoder(req)
         try:
             async for index, delta, first in self._merged(admitted):
                 model = delta.model
                 lp = self._token_logprobs(req, delta)
                 if delta.usage is not None:
                     usages[index] = delta.usage
-                for chunk in chunks_json(req, index, delta, lp, first):
-                    await _send(response, chunk)
+                await response.write(chunks.encode(index, delta, lp, first))
             if req.include_usage:
                 usage = request_usage([usages[i] for i in sorted(usages)])
                 await _send(response, usage_chunk_json(req, model, usage_json(usage)))
@@ -364,7 +365,7 @@ def _model(body: dict[str, Any]) -> str:
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+    await response.write(sse(payload))
 
 
 async def start_http(

@@ -5,6 +5,7 @@ The way in (JSON bodies to GenerateInput) is gateway/openai_api.py.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,6 +91,45 @@ def chunks_json(
     """The streamed chunks of one delta: one, or more when it ends with tool calls."""
     chunk = chunk_json(req, index, delta, lp, first)
     return tool_call_chunks(chunk, delta.tool_calls) if delta.tool_calls else [chunk]
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event of a JSON payload."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+_SLOT = "canteen-text-slot-5f0c"  # stands for a chunk's text in a template
+
+
+class ChunkEncoder:
+    """A streamed answer's chunks as server-sent events. Most chunks are text alone (not a
+    choice's first, not its last, no logprobs): those are a template per choice and model,
+    made once, with the text's JSON in its slot: the same bytes as encoding the whole
+    chunk, without building and encoding a dict per token."""
+
+    def __init__(self, req: OpenAIRequest) -> None:
+        self._req = req
+        self._templates: dict[tuple[int, str], tuple[bytes, bytes] | None] = {}
+
+    def encode(self, index: int, delta: TextDelta, lp: TokenLogprobs | None, first: bool) -> bytes:
+        if not (first or lp is not None or delta.finish_reason is not None or delta.tool_calls):
+            key = (index, delta.model)
+            if key not in self._templates:
+                self._templates[key] = self._template(index, delta.model)
+            template = self._templates[key]
+            if template is not None:
+                before, after = template
+                return before + json.dumps(delta.text, ensure_ascii=False).encode() + after
+        return b"".join(sse(c) for c in chunks_json(self._req, index, delta, lp, first))
+
+    def _template(self, index: int, model: str) -> tuple[bytes, bytes] | None:
+        """The bytes before and after a text chunk's text; None if the slot's name shows
+        elsewhere in the chunk (a model so named): such chunks are encoded whole."""
+        slotted = TextDelta(_SLOT, [], model)
+        parts = sse(chunk_json(self._req, index, slotted, None, False)).split(
+            json.dumps(_SLOT).encode()
+        )
+        return (parts[0], parts[1]) if len(parts) == 2 else None
 
 
 def usage_chunk_json(req: OpenAIRequest, model: str, usage: dict[str, Any]) -> dict[str, Any]:

@@ -160,14 +160,16 @@ class BatchScheduler:
         chosen: list[tuple[Sequence, int]] = []
         in_plan: set[int] = set()
         by_importance = sorted(self.running, key=lambda s: (-s.priority, s.admit_order))
-        decoding = [s for s in by_importance if self._ahead(s).is_decoding]
-        prefilling = [s for s in by_importance if not self._ahead(s).is_decoding]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for seq in by_importance:
+            (decoding if self._ahead(seq).is_decoding else prefilling).append(seq)
         grants: dict[str, int] = {}
         # Drafts wait while prompts do: a drafting step lasts several plain ones, and every
         # prompt waiting for its prefill would wait that long too.
         drafts = (
             0
-            if prefilling or self.waiting
+            if prefilling or self.waiting or not self.speculation.num_tokens
             else self.speculation.drafts_for(
                 len(decoding), [s.drafting for s in decoding if self._draft_room(s) > 0]
             )

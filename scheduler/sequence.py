@@ -6,7 +6,7 @@ import enum
 import itertools
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from canteen.adapters import AdapterRef
 from canteen.finish import Finish
@@ -143,11 +143,13 @@ class Usage:
     cached_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SeqEvent:
     """What a step did to one sequence: new tokens, and its end when it ended. A value: it
     names the sequence by id and carries what readers need, so no reader holds the
-    ``Sequence`` that the batcher keeps changing."""
+    ``Sequence`` that the batcher keeps changing. Never changed once made (not frozen only
+    because a frozen dataclass costs several times as much to build, and every step builds
+    one per sequence)."""
 
     seq_id: str
     token_ids: tuple[int, ...]
@@ -189,10 +191,30 @@ class SeqEvent:
 
     def then(self, more: SeqEvent) -> SeqEvent:
         """This event's tokens followed by ``more``'s, ending as ``more`` does."""
-        return replace(
-            more,
-            token_ids=self.token_ids + more.token_ids,
-            logprobs=self.logprobs + more.logprobs,
-            top_logprobs=self.top_logprobs + more.top_logprobs,
-            queue_seconds=self.queue_seconds if more.queue_seconds is None else more.queue_seconds,
+        return joined((self, more))
+
+
+def joined(events: list[SeqEvent] | tuple[SeqEvent, ...]) -> SeqEvent:
+    """``events`` (of one sequence, in order) as one: their tokens in order, ending as the
+    last does, with the latest queue time known. Built in one call, not one per event
+    (a stream interval gathers every token of a request through here)."""
+    last = events[-1]
+    if len(events) == 1:
+        return last
+    queue_seconds = last.queue_seconds
+    if queue_seconds is None:
+        queue_seconds = next(
+            (e.queue_seconds for e in reversed(events) if e.queue_seconds is not None), None
         )
+    return SeqEvent(
+        last.seq_id,
+        tuple(t for e in events for t in e.token_ids),
+        tuple(lp for e in events for lp in e.logprobs),
+        last.finish,
+        tuple(top for e in events for top in e.top_logprobs),
+        last.usage,
+        queue_seconds,
+        last.error,
+        last.is_refused,
+        last.is_request_error,
+    )

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from canteen.codec import request_from_pb, response_to_pb
+from canteen.codec import batch_to_pb, request_from_pb, response_to_pb
 from canteen.codec.fields import to_pb
 from canteen.finish import Finish
 from canteen.plan import MAX_STREAM_INTERVAL
@@ -96,10 +96,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             yield scheduler_pb2.ScheduleBatch(subscription_id=subscription.id)
             while True:
-                batch = await subscription.next_batch()
-                yield scheduler_pb2.ScheduleBatch(
-                    responses=[response_to_pb(event, first, tag) for tag, event, first in batch]
-                )
+                yield batch_to_pb(await subscription.next_batch())
         finally:
             self._service.subscriptions.close(subscription)
 

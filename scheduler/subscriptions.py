@@ -21,7 +21,7 @@ import os
 from typing import Protocol
 
 from canteen.finish import Finish
-from scheduler.sequence import SeqEvent, Sequence
+from scheduler.sequence import SeqEvent, Sequence, joined
 
 
 class EventSink(Protocol):
@@ -97,17 +97,19 @@ class TokenSink:
         self._subscription, self._tag, self._own = subscription, tag, own
         self._is_first = True
         self._interval = interval
-        self._held: SeqEvent | None = None  # tokens gathered toward the next entry
+        self._held: list[SeqEvent] = []  # events gathered toward the next entry
+        self._num_held = 0  # their tokens
 
     def put_nowait(self, event: SeqEvent, /) -> None:
         if not event.token_ids and event.finish is None:
             return
         if self._interval > 1 and not self._is_first and event.finish is not Finish.FAILED:
-            event = event if self._held is None else self._held.then(event)
-            if event.finish is None and len(event.token_ids) < self._interval:
-                self._held = event
+            self._held.append(event)
+            self._num_held += len(event.token_ids)
+            if event.finish is None and self._num_held < self._interval:
                 return
-            self._held = None
+            event = joined(self._held)  # one entry of the gathered events, made once
+            self._held, self._num_held = [], 0
         if event.finish is not Finish.FAILED:
             self._subscription.push(self._tag, event, self._is_first)
             if self._is_first and event.finish is None:

@@ -86,19 +86,23 @@ def _compile(
 ) -> Callable[..., Any]:
     """``def convert(source, *, <given>): return target(<copied>, <given>=<given>)``; an
     ``each`` field is ``fn(source)``. ``many`` (``list``/``tuple``) compiles instead
-    ``def convert(sources): return many([target(...) for source in sources])``. Every
-    name comes from a descriptor or a dataclass field, so is a Python identifier."""
+    ``def convert(sources): return many([target(...) for source in sources])``, and
+    ``into`` ``def convert(target, source, *, <given>)``: the caller names the target (a
+    repeated field's ``add``). Every name comes from a descriptor or a dataclass field, so
+    is a Python identifier."""
     names = (*given, *each, *copied)
     if not all(name.isidentifier() and name not in _RESERVED for name in names):
         raise ValueError(f"{target.__name__}: a field name cannot be compiled: {names}")
     values = {**copied, **{n: n for n in given}, **{n: f"_{n}(source)" for n in each}}
     call = f"target({_arguments(target, values)})"
-    if many:
+    star = ", *, " + ", ".join(given) if given else ""
+    if many == "into":
+        code = f"def convert(target, source{star}):\n    return {call}\n"
+    elif many:
         listed = f"[{call} for source in sources]"
         body = listed if many == "list" else f"tuple({listed})"
         code = f"def convert(sources):\n    return {body}\n"
     else:
-        star = ", *, " + ", ".join(given) if given else ""
         code = f"def convert(source{star}):\n    return {call}\n"
     scope: dict[str, Any] = {"target": target, "tuple": tuple, "dict": dict, "list": list}
     scope.update({f"_{name}": fn for name, fn in each.items()})
@@ -131,6 +135,15 @@ def encoder(cls: type[D], message: type[M], *given: str) -> Callable[..., M]:
     ``cls`` value; the ``given`` fields (message-valued ones, other names) are its keyword
     arguments. Compiled once per (cls, message, given)."""
     convert: Callable[..., M] = _encoder(cls, cast(Any, message), given)
+    return convert
+
+
+def adder(cls: type[D], message: type[M], *given: str) -> Callable[..., M]:
+    """As ``encoder``, into a target the caller passes first: ``(add, value, **given)``
+    with ``add`` a repeated field's ``add`` (the message is built in place, not built and
+    then copied into its parent) or ``message`` itself. Compiled once per call of this."""
+    pairs = _copied(cls, cast(Any, message).DESCRIPTOR, given)
+    convert: Callable[..., M] = _compile(message, _reads(pairs, False), given, {}, "into")
     return convert
 
 

@@ -9,11 +9,13 @@ own timeout, not a field) and the queue time (sent once, on a stream's first mes
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import Field
+from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from canteen.codec.adapter import adapter_from_pb, adapter_to_pb
-from canteen.codec.fields import from_pb, to_pb
+from canteen.codec.fields import adder, from_pb, to_pb
 from canteen.codec.sampling import sampling_from_pb, sampling_to_pb
 from canteen.codec.step import top_to_pb
 from canteen.finish import Finish, finish_to_pb
@@ -63,19 +65,52 @@ def request_from_pb(
     )
 
 
+@cache
+def _response_adder(cls: type[DataclassInstance]) -> Callable[..., scheduler_pb2.ScheduleResponse]:
+    """Builds a response in place (a batch's ``responses.add``) or alone (the message
+    class): the fields shared with the event ``cls`` by name, the rest given."""
+    return adder(
+        cls,
+        scheduler_pb2.ScheduleResponse,
+        "top_logprobs",
+        "queue_seconds",
+        "finish_reason",
+        "usage",
+        "stream_tag",
+    )
+
+
+def _add_response(
+    add: Callable[..., scheduler_pb2.ScheduleResponse], event: Event, is_first: bool, tag: int
+) -> scheduler_pb2.ScheduleResponse:
+    """One stream message; the queue time only on the stream's first, the finish reason and
+    usage only on its last. Runs once per request per step: a message built with nothing
+    it does not carry."""
+    finish = event.finish
+    tops = event.top_logprobs
+    return _response_adder(type(event))(
+        add,
+        event,
+        top_logprobs=[top_to_pb(top) for top in tops] if tops else (),
+        queue_seconds=(event.queue_seconds or 0.0) if is_first else 0.0,  # 0: not sent
+        finish_reason=0 if finish is None else finish_to_pb(finish),
+        usage=None if finish is None else to_pb(event.usage, common_pb2.Usage),
+        stream_tag=tag,
+    )
+
+
 def response_to_pb(
     event: Event, is_first: bool, stream_tag: int = 0
 ) -> scheduler_pb2.ScheduleResponse:
-    """One stream message; the queue time only on the stream's first, the finish reason and
-    usage only on its last."""
-    queue_seconds = event.queue_seconds if is_first else None
-    is_last = event.finish is not None
-    return to_pb(
-        event,
-        scheduler_pb2.ScheduleResponse,
-        top_logprobs=[top_to_pb(top) for top in event.top_logprobs],
-        queue_seconds=queue_seconds or 0.0,  # 0: not sent
-        finish_reason=finish_to_pb(event.finish),
-        usage=to_pb(event.usage, common_pb2.Usage) if is_last else None,
-        stream_tag=stream_tag,
-    )
+    """One request's own stream message (see ``_add_response``)."""
+    return _add_response(scheduler_pb2.ScheduleResponse, event, is_first, stream_tag)
+
+
+def batch_to_pb(entries: Iterable[tuple[int, Event, bool]]) -> scheduler_pb2.ScheduleBatch:
+    """One shared-stream message: a response per (tag, event, whether it is the request's
+    first entry), each built in place in the batch."""
+    batch = scheduler_pb2.ScheduleBatch()
+    add = batch.responses.add
+    for tag, event, is_first in entries:
+        _add_response(add, event, is_first, tag)
+    return batch

@@ -54,7 +54,11 @@ _FAILED_TO = list_encoder(FailedSequence, worker_pb2.SequenceFailure)
 _RESULT_FROM = decoder(
     worker_pb2.StepResult, StepResult, "tokens", "failed", "forward_ns", "sample_ns", "total_ns"
 )
-_TOKEN_FROM = tuple_decoder(worker_pb2.SampledToken, SampledToken, top=lambda t: top_from_pb(t.top))
+_TOKEN_FROM = tuple_decoder(  # most steps ask no alternatives: then no top to read
+    worker_pb2.SampledToken,
+    SampledToken,
+    top=lambda t: top_from_pb(t.top) if t.HasField("top") else (),
+)
 _FAILED_FROM = tuple_decoder(worker_pb2.SequenceFailure, FailedSequence)
 
 
