@@ -36,6 +36,7 @@ from scheduler.inflight import Ahead, Entry, InFlightSums
 from scheduler.kv import KVManager
 from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
+from scheduler.tiers import TierIndex
 from scheduler.timing import observe_step
 
 
@@ -46,8 +47,9 @@ class BatchScheduler:
         limits: BatchConfig,
         num_draft_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        tiers: TierIndex | None = None,
     ) -> None:
-        self.kv = KVManager(pool, limits.watermark_blocks)
+        self.kv = KVManager(pool, limits.watermark_blocks, tiers)
         self._clock = clock
         self._last_result_at: float | None = None
         self.speculation = SpeculationPolicy(num_draft_tokens)
@@ -188,6 +190,7 @@ class BatchScheduler:
         observe_step(self.cost, self.speculation, plan, result, since)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f for f in result.failed}
+        retry = self.kv.settle(result, current, set(refused))
         made = Counter(t.seq_id for t in result.tokens)
         for seq_id, seq in current.items():
             entry = entries[seq_id]
@@ -211,8 +214,11 @@ class BatchScheduler:
         events += [
             self._refuse(current[i], f.error, f.is_request_error)
             for i, f in refused.items()
-            if i in current
+            if i in current and i not in retry
         ]
+        for seq_id in retry:  # a tier block it needed failed its check: recompute it
+            current[seq_id].is_on_worker = False
+            self._preempt(current[seq_id])
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent.of(seq, finish=Finish.CANCELLED))
@@ -386,7 +392,8 @@ class BatchScheduler:
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
             if self.depth > 1 and seq.is_done_after(self._ahead(seq).plans.num_samples):
                 self._drop_early(seq)
-        plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)
+        moves = self.kv.take_moves(step_id, [n.seq_id for n in new])
+        plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops, *moves)
         self._in_flight.append((plan, entries))
         return plan
 

@@ -48,6 +48,9 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        # KV tiers: cached blocks handed out again, to copy down before they are rewritten
+        self.keep_evicted = False
+        self.evicted: list[tuple[int, bytes]] = []
 
     @property
     def num_free(self) -> int:
@@ -87,7 +90,10 @@ class BlockPool:
                 block = self._plain.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)  # evict the least recent
-                del self._block_of[self._key_of.pop(block)]
+                key = self._key_of.pop(block)
+                del self._block_of[key]
+                if self.keep_evicted:
+                    self.evicted.append((block, key))
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -148,6 +154,12 @@ class BlockPool:
             if parent not in self._block_of:
                 return i
         return (len(tokens) - 1) // bs
+
+    def adopt(self, block: int, key: bytes) -> None:
+        """Keys ``block``, which holds a reloaded tier block, unless the key is cached here."""
+        if self.enable_prefix_cache and key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
 
     def commit(self, block: int, parent: bytes, tokens: list[int]) -> bytes:
         """Records that ``block`` now holds ``tokens`` after ``parent``; returns its key."""

@@ -249,7 +249,7 @@ def pick_worker(cores: list[BatchScheduler], prompt_ids: list[int], salt: str = 
     best: tuple[int, int] | None = None
     chosen = None
     for i, core in enumerate(cores):
-        cached = core.pool.count_cached_prefix(prompt_ids, salt)
+        cached = core.kv.count_cached_prefix(prompt_ids, salt)  # pool and tiers
         room = _headroom(core) - (core.pool.blocks_for(len(prompt_ids)) - cached)
         if cached and room >= 0 and not core.waiting and (best is None or (cached, room) > best):
             best, chosen = (cached, room), i

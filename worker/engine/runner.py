@@ -27,6 +27,7 @@ from worker.engine.constrain import Constraints, GrammarOptions, StepMasks, load
 from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
 from worker.engine.guard import BlockLedger, EntryError
 from worker.engine.sampler import sample
+from worker.kv_tiers.store import KVTiers, move
 from worker.model.loader import LoadedModel
 from worker.speculation.draft import DraftModel, DraftRequest, can_share_kv
 from worker.speculation.speculate import SpeculationConfig, accept, propose_ngram
@@ -83,6 +84,7 @@ class ModelRunner:
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
         self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
+        self.tiers = KVTiers()  # none until the worker opens its own (worker/kv_tiers/)
         self.constraints = Constraints(
             lambda: load_tokenizer(loaded.path, loaded.fmt),
             self.vocab_size,
@@ -122,6 +124,15 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
+        moved = None
+        if plan.offload_block_ids or plan.reload_block_ids or self.tiers.is_on:
+            # tier moves first: offloads before the forward overwrites their blocks, reloads
+            # before the new sequences that count them as cached are checked
+            moved = move(self.tiers, self.kv_pool, self.ledger, plan.offloads, plan.reloads)
+        result = self._compute(plan, started)
+        return result if moved is None else moved.onto(result)
+
+    def _compute(self, plan: StepPlan, started: int) -> StepResult:
         plan, failed = self._apply(plan)
         if not plan.scheduled:
             return StepResult(
