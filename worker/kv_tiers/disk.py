@@ -29,6 +29,7 @@ MAGIC = b"CNTKVBLK"
 FORMAT = 1
 _HEADER = struct.Struct("<8sH32s16s16sQI")
 SUFFIX = ".kv"
+_FOREIGN = TierBlock(b"", b"")  # a whole block of another model version or format
 
 
 def _crc(key: bytes, content_key: bytes, payload: bytes) -> int:
@@ -94,7 +95,10 @@ class DiskTier:
             os.replace(temp, target)
         except OSError as exc:
             self._warn("write", key, exc)
-            temp.unlink(missing_ok=True)
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the folder itself is gone or unusable
             return [*dropped, key]
         self._files[key] = size
         self.num_bytes += size
@@ -115,11 +119,17 @@ class DiskTier:
             self._forget(key)
             return None
         block = self._parse(key, data)
+        if block is _FOREIGN:
+            self._forget(key)
+            return None  # another model version's block: its workers still use it
         if block is None:
             log.warning("kv disk block refused", key=key.hex(), reason="bad header or checksum")
             self.num_errors += 1
             self._forget(key)
-            path.unlink(missing_ok=True)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
             return None
         if key not in self._files:
             self._files[key] = len(data)
@@ -132,11 +142,14 @@ class DiskTier:
         return block
 
     def _parse(self, key: bytes, data: bytes) -> TierBlock | None:
+        """The block, ``_FOREIGN`` for another version's or format's, None when damaged."""
         if len(data) < _HEADER.size:
             return None
         magic, fmt, version, stored_key, content_key, length, crc = _HEADER.unpack_from(data)
         payload = data[_HEADER.size :]
-        if (magic, fmt, version, stored_key) != (MAGIC, FORMAT, self.version_digest, key):
+        if magic == MAGIC and (fmt, version) != (FORMAT, self.version_digest):
+            return _FOREIGN
+        if (magic, stored_key) != (MAGIC, key):
             return None
         if length != len(payload) or crc != _crc(key, content_key, payload):
             return None
