@@ -216,9 +216,8 @@ class BatchScheduler:
             for i, f in refused.items()
             if i in current and i not in retry
         ]
-        for seq_id in retry:  # a tier block it needed failed its check: recompute it
-            current[seq_id].is_on_worker = False
-            self._preempt(current[seq_id])
+        for seq_id in retry:
+            self._recompute(current[seq_id])
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent.of(seq, finish=Finish.CANCELLED))
@@ -336,6 +335,15 @@ class BatchScheduler:
             if victim is seq:
                 return False
         return True
+
+    def _recompute(self, seq: Sequence) -> None:
+        """A tier block ``seq`` needed failed its check (the worker refused it): it starts
+        over without it, and its cached tokens are counted again at its next admission."""
+        seq.is_on_worker = False
+        self.num_prompt_tokens -= len(seq.prompt_ids)
+        self.num_cached_prompt_tokens -= seq.num_cached_tokens
+        seq.first_scheduled_time, seq.num_cached_tokens = None, 0
+        self._preempt(seq)
 
     def _drop_early(self, seq: Sequence) -> None:
         """This plan samples ``seq``'s last token: its blocks go back now, and its drop rides

@@ -120,13 +120,15 @@ def test_offload_then_reload_copies_a_block_exactly_and_teaches_the_ledger(
     keys: list[bytes] = []
     ledger.computed([1], list(range(8)), keys, 8)
     tiers = KVTiers(host_bytes=0, disk=DiskTier(tmp_path, 1 << 20, V1), version=V1)
-    report = move(tiers, pool, ledger, [(1, _key(1))], [])
+    report = move(tiers, pool, ledger, [(1, _key(1))], [], True)
     assert report.tier_moved_keys == [_key(1)]  # no host room: straight to disk
-    want = pool[:, :, 1].clone()
-    pool[:, :, 1] = 0
-    report = move(tiers, pool, ledger, [], [(3, _key(1))])
+    heads = pool.view(2, 2, 2, 4 * 8, 4)  # the head-major view of Canteen's forward
+    want = heads[:, :, :, 8:16].clone()
+    pool.zero_()
+    report = move(tiers, pool, ledger, [], [(3, _key(1))], True)
     assert report.reload_failed_keys == []
-    assert torch.equal(pool[:, :, 3], want)
+    assert torch.equal(heads[:, :, :, 24:32], want)
+    assert int((pool != 0).sum()) == want.numel()  # nothing else written
     assert ledger.key_of(3) == keys[0]
 
 
@@ -135,15 +137,15 @@ def test_a_reload_of_a_missing_block_or_into_a_held_block_fails() -> None:
     ledger = BlockLedger(4, 8, 100)
     tiers = KVTiers(host_bytes=1 << 20)
     ledger.computed([0], list(range(8)), [], 8)
-    move(tiers, pool, ledger, [(0, _key(1))], [])
+    move(tiers, pool, ledger, [(0, _key(1))], [], False)
     ledger.hold([2])
     before = pool.clone()
-    report = move(tiers, pool, ledger, [], [(2, _key(1)), (3, _key(7))])
+    report = move(tiers, pool, ledger, [], [(2, _key(1)), (3, _key(7))], False)
     assert report.reload_failed_keys == [_key(1), _key(7)]
     assert torch.equal(pool, before) and ledger.key_of(3) is None
 
 
 def test_an_offload_of_a_block_never_computed_here_is_reported_dropped() -> None:
     tiers = KVTiers(host_bytes=1 << 20)
-    report = move(tiers, _pool(), BlockLedger(4, 8, 100), [(2, _key(5))], [])
+    report = move(tiers, _pool(), BlockLedger(4, 8, 100), [(2, _key(5))], [], False)
     assert report.tier_dropped_keys == [_key(5)] and len(tiers.host) == 0

@@ -102,6 +102,7 @@ def test_a_failed_reload_is_recomputed_never_failed() -> None:
     assert again.finish is Finish.LENGTH
     assert again.output_ids == expected(again.prompt_ids, 6)
     assert again.num_preemptions == 1  # the refused attempt, then a plain recompute
+    assert again.num_cached_tokens == 0  # what it really reused
     assert sched.kv.count_cached_prefix([*PREFIX, 3]) == 3  # recomputed: cached in the pool
     index = sched.kv.tiers
     assert index is not None and index.num_failed_reloads >= 1

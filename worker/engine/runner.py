@@ -128,7 +128,14 @@ class ModelRunner:
         if plan.offload_block_ids or plan.reload_block_ids or self.tiers.is_on:
             # tier moves first: offloads before the forward overwrites their blocks, reloads
             # before the new sequences that count them as cached are checked
-            moved = move(self.tiers, self.kv_pool, self.ledger, plan.offloads, plan.reloads)
+            moved = move(
+                self.tiers,
+                self.kv_pool,
+                self.ledger,
+                plan.offloads,
+                plan.reloads,
+                self.loaded.forward_name == "fast",  # its head-major pool layout
+            )
         result = self._compute(plan, started)
         return result if moved is None else moved.onto(result)
 

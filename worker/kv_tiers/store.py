@@ -117,16 +117,27 @@ def open_tiers(host_bytes: int, disk_dir: str, disk_bytes: int, version: bytes) 
     return KVTiers(host_bytes, disk, version)
 
 
-def block_bytes(pool: torch.Tensor, block: int) -> bytes:
-    """Every layer's K and V rows of ``block`` in the [layers, 2, blocks, ...] pool."""
-    rows = pool[:, :, block].contiguous().cpu()
+def block_view(pool: torch.Tensor, block: int, head_major: bool) -> torch.Tensor:
+    """Every layer's K and V rows of ``block``. The pool is allocated as [layers, 2, blocks,
+    block_size, kv_heads, D]; Canteen's own forward reads each layer's share head-major
+    instead (worker/attention/paged.py), so there a block's slots are
+    [layers, 2, kv_heads, block*bs : (block+1)*bs, D]."""
+    layers, _, blocks, size, kv_heads, dim = pool.shape
+    if not head_major:
+        return pool[:, :, block]
+    slots = pool.view(layers, 2, kv_heads, blocks * size, dim)
+    return slots[:, :, :, block * size : (block + 1) * size]
+
+
+def block_bytes(pool: torch.Tensor, block: int, head_major: bool) -> bytes:
+    rows = block_view(pool, block, head_major).contiguous().cpu()
     return rows.view(torch.uint8).numpy().tobytes()
 
 
-def load_block(pool: torch.Tensor, block: int, payload: bytes) -> bool:
+def load_block(pool: torch.Tensor, block: int, payload: bytes, head_major: bool) -> bool:
     """Writes ``payload`` into ``block``; False (nothing written) when its size is not one
     block of this pool."""
-    target = pool[:, :, block]
+    target = block_view(pool, block, head_major)
     if len(payload) != target.numel() * target.element_size():
         return False
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -140,14 +151,16 @@ def move(
     ledger: BlockLedger,
     offloads: list[tuple[int, bytes]],
     reloads: list[tuple[int, bytes]],
+    head_major: bool,
 ) -> TierReport:
-    """Runs a plan's tier moves, offloads first (a reload may reuse an offloaded block)."""
+    """Runs a plan's tier moves, offloads first (a reload may reuse an offloaded block);
+    ``head_major``: the pool's layout (``block_view``)."""
     for block, key in offloads:
         content = ledger.key_of(block) if 0 <= block < ledger.num_blocks else None
         if content is None or not tiers.is_on:
             tiers.drop(key)  # never computed here, or nowhere to keep it
             continue
-        tiers.put(key, TierBlock(content, block_bytes(pool, block)))
+        tiers.put(key, TierBlock(content, block_bytes(pool, block, head_major)))
     for block, key in reloads:
         if not (0 <= block < ledger.num_blocks) or ledger.is_held(block):
             tiers.fail(key)  # a live sequence's block is never overwritten
@@ -155,7 +168,7 @@ def move(
         got = tiers.get(key)
         if got is None:
             continue
-        if not load_block(pool, block, got.payload):
+        if not load_block(pool, block, got.payload, head_major):
             tiers.fail(key)
             continue
         ledger.loaded(block, got.content_key)
