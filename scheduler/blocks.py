@@ -155,6 +155,20 @@ class BlockPool:
                 return i
         return (len(tokens) - 1) // bs
 
+    def has(self, key: bytes) -> bool:
+        return key in self._block_of
+
+    def take(self, key: bytes) -> int | None:
+        """References the cached block of ``key``, if any (a prefix continuing past tier
+        blocks into blocks still in the pool)."""
+        block = self._block_of.get(key)
+        if block is None:
+            return None
+        if self._refs[block] == 0:
+            del self._evictable[block]
+        self._refs[block] += 1
+        return block
+
     def adopt(self, block: int, key: bytes) -> None:
         """Keys ``block``, which holds a reloaded tier block, unless the key is cached here."""
         if self.enable_prefix_cache and key not in self._block_of and block not in self._key_of:

@@ -35,6 +35,7 @@ class KVManager:
         # KV tiers under the worker's pool (scheduler/tiers.py); None: evicted blocks are gone
         self.tiers = tiers
         pool.keep_evicted = tiers is not None
+        self._offloads: list[tuple[int, bytes]] = []  # evicted, not yet sent
         self._reloads: dict[str, list[tuple[int, bytes]]] = {}  # by seq_id, not yet sent
         self._sent: dict[int, dict[str, list[tuple[int, bytes]]]] = {}  # by step_id
 
@@ -142,12 +143,13 @@ class KVManager:
         num = self.pool.count_cached_prefix(tokens, salt)
         if self.tiers is None or not self.pool.enable_prefix_cache:
             return num
-        return num + len(self._tier_run(tokens, salt, num))
+        return num + len(self._chain(tokens, salt, num))
 
     # -- KV tiers (docs/kv-tiers.md) ------------------------------------------------------
 
-    def _tier_run(self, tokens: list[int], salt: str, start: int) -> list[bytes]:
-        """Keys of the full blocks from block ``start`` on that the tiers hold, in a row."""
+    def _chain(self, tokens: list[int], salt: str, start: int) -> list[bytes]:
+        """Keys of the full blocks from block ``start`` on held in the pool or the tiers,
+        in a row."""
         assert self.tiers is not None
         bs = self.block_size
         parent = self.pool.root_for(salt)
@@ -156,31 +158,51 @@ class KVManager:
             parent = chain_key(parent, tokens[i * bs : (i + 1) * bs])
             if i < start:
                 continue
-            if parent not in self.tiers:
+            if not (parent in self.tiers or self.pool.has(parent)):
                 break
             keys.append(parent)
         return keys
 
     def _reload_from_tiers(self, seq: Sequence) -> None:
-        """Continues ``seq``'s cached prefix with tier blocks copied into fresh blocks by
-        the plan that sends it (none when the pool lacks the room)."""
-        keys = self._tier_run(seq.tokens, seq.cache_salt, len(seq.block_ids))
-        blocks = self.pool.allocate(len(keys)) if keys else None
-        if blocks is None:
-            return
-        seq.block_ids.extend(blocks)
-        seq.block_keys.extend(keys)  # keyed in the pool once the worker confirms them
-        self._reloads[seq.seq_id] = list(zip(blocks, keys, strict=True))
+        """Continues ``seq``'s cached prefix past the pool's hit: blocks in the tiers are
+        copied into fresh blocks by the plan that sends it, later ones still cached in the
+        pool are shared; it stops at the first block neither holds (or when the pool has no
+        room)."""
+        assert self.tiers is not None
+        keys = self._chain(seq.tokens, seq.cache_salt, len(seq.block_ids))
+        reloads = []
+        for key in keys:
+            block = self.pool.take(key)
+            if block is None:
+                self._note_evictions()  # a block just evicted is in the host tier now
+                fresh = self.pool.allocate(1) if key in self.tiers else None
+                if fresh is None:
+                    break
+                block = fresh[0]
+                reloads.append((block, key))  # keyed in the pool once the worker confirms it
+            seq.block_ids.append(block)
+            seq.block_keys.append(key)
+        self._note_evictions()
+        if reloads:
+            self._reloads[seq.seq_id] = reloads
+
+    def _note_evictions(self) -> None:
+        """Cached blocks the pool handed out again go down to the tiers (the next plan's
+        offloads): the index knows them from now on."""
+        assert self.tiers is not None
+        for block, key in self.pool.evicted:
+            self.tiers.offloaded(key)
+            self._offloads.append((block, key))
+        self.pool.evicted = []
 
     def take_moves(self, step_id: int, seq_ids: list[str]) -> Moves:
         """The tier moves of the plan ``step_id`` that sends ``seq_ids`` as new: every
         block evicted since the last plan goes down, their reloads come up."""
-        evicted, self.pool.evicted = self.pool.evicted, []
-        reloads = {i: r for i in seq_ids if (r := self._reloads.pop(i, None))}
-        if self.tiers is None or not (evicted or reloads):
+        if self.tiers is None:
             return (), (), (), ()
-        for _, key in evicted:
-            self.tiers.offloaded(key)
+        self._note_evictions()
+        evicted, self._offloads = self._offloads, []
+        reloads = {i: r for i in seq_ids if (r := self._reloads.pop(i, None))}
         if reloads:
             self._sent[step_id] = reloads
         up = [pair for pairs in reloads.values() for pair in pairs]

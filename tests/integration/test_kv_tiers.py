@@ -67,6 +67,10 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(
     again = _ask(host, PREFIX)
     assert list(again.token_ids) == list(first.token_ids)
     assert again.usage.cached_tokens == _full_blocks(tiny_model_dir)
+    (stats,) = _stats(host).workers
+    assert (stats.kv_host_bytes, stats.kv_disk_bytes) == (1 << 20, 0)
+    assert stats.num_tier_reloads >= _full_blocks(tiny_model_dir) // BLOCK_SIZE
+    assert stats.num_host_tier_blocks > 0 and stats.num_failed_reloads == 0
 
 
 def test_an_evicted_prefix_comes_back_from_the_disk_tier(
@@ -79,11 +83,20 @@ def test_an_evicted_prefix_comes_back_from_the_disk_tier(
     again = _ask(disk, PREFIX)
     assert list(again.token_ids) == list(first.token_ids)
     assert again.usage.cached_tokens == _full_blocks(tiny_model_dir)
+    (stats,) = _stats(disk).workers
+    assert (stats.kv_host_bytes, stats.kv_disk_bytes) == (0, 4 << 20)
+    assert stats.num_disk_tier_blocks > 0 and stats.num_host_tier_blocks == 0
+
+
+def _stats(suite: TinySuite) -> scheduler_pb2.GetStatsResponse:
+    reply: scheduler_pb2.GetStatsResponse = suite.scheduler_stub.GetStats(
+        scheduler_pb2.GetStatsRequest(), timeout=5
+    )
+    return reply
 
 
 def _ready_workers(suite: TinySuite) -> int:
-    reply = suite.scheduler_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
-    return len([w for w in reply.workers if w.is_ready])
+    return len([w for w in _stats(suite).workers if w.is_ready])
 
 
 def test_a_worker_sigkilled_and_restarted_answers_the_prefix_from_disk(
@@ -124,3 +137,5 @@ def test_a_flipped_byte_in_a_disk_block_is_refused_and_the_prefix_recomputed(
     assert list(again.token_ids) == list(first.token_ids)
     assert again.usage.cached_tokens == 0
     assert "kv disk block refused" in disk.worker.log()
+    (stats,) = _stats(disk).workers
+    assert stats.num_failed_reloads > 0

@@ -143,3 +143,23 @@ def test_routing_prefers_the_worker_whose_tiers_hold_the_longest_prefix() -> Non
     assert warm.pool.count_cached_prefix([*PREFIX, 5]) == 0
     assert pick_worker([cold, warm], [*PREFIX, 5]) == 1  # cold has more room
     assert pick_worker([cold, warm], [*PREFIX, 5], "tenant-2") == 0
+
+
+def test_a_prefix_half_in_the_tiers_half_still_in_the_pool_is_reused_whole() -> None:
+    sched, worker = make(num_blocks=8), TieredWorker()
+    first = seq("a", [*PREFIX, 1, 2])
+    sched.add(first)
+    run(sched, worker)
+    # "a" left 4 cached blocks and 4 empty ones: a filler of 5 blocks takes the empty ones
+    # and evicts only the least recent cached one, the prefix's first block
+    filler = seq("filler", list(range(300, 318)), max_tokens=2)
+    sched.add(filler)
+    run(sched, worker)
+    assert sched.pool.count_cached_prefix([*PREFIX, 3]) == 0  # its head is gone from the pool
+    assert sched.kv.count_cached_prefix([*PREFIX, 3]) == 3  # head in the tiers, tail cached
+    second = seq("b", [*PREFIX, 1, 2])
+    sched.add(second)
+    run(sched, worker)
+    assert second.output_ids == first.output_ids == expected(first.prompt_ids, 6)
+    assert second.num_cached_tokens == 12
+    assert len([r for p in worker.plans for r in p.reloads]) == 1  # the head only
