@@ -32,7 +32,7 @@ def _ask(address: str, prompt: str) -> inference_pb2.CompleteResponse:
 def _text(num_tokens: int, word: str) -> str:
     tok = build_tokenizer()  # the tiny model's
     text = f"{word} "
-    while len(tok(text, add_special_tokens=False)["input_ids"]) < num_tokens:  # type: ignore[operator]
+    while len(tok(text, add_special_tokens=False)["input_ids"]) < num_tokens:
         text += f"{word} {len(text) % 97} "
     return text
 
