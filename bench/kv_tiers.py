@@ -15,7 +15,7 @@ too small for it, with tiers against without. Each part runs both sides in one r
         which runs first. Goals: >= 1.5x throughput, <= 0.5x p99 TTFT.
 
 Usage: python bench/kv_tiers.py [--only ttft|chat] [--rounds 3] [--conversations 32]
-                                [--turns 8] [--short] [--json out.json]
+                                [--turns 8] [--short] [--json out.json] [--workdir DIR]
   --short: 2 rounds, 8 conversations of 4 turns (a few minutes on 2 busy cores)
 """
 
@@ -164,6 +164,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--short", action="store_true")
     parser.add_argument("--json", default="")
+    parser.add_argument("--workdir", default="", help="keep the services' logs here")
     args = parser.parse_args()
     if args.short:
         args.rounds, args.conversations, args.turns = 2, 8, 4
@@ -175,10 +176,11 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     report: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        where = Path(args.workdir or tmp)
         if args.only in (None, "ttft"):
-            report["ttft"] = ttft(tokenizer, Path(tmp), args.rounds)
+            report["ttft"] = ttft(tokenizer, where, args.rounds)
         if args.only in (None, "chat"):
-            report["chat"] = chat(tokenizer, Path(tmp), args.rounds, args.conversations, args.turns)
+            report["chat"] = chat(tokenizer, where, args.rounds, args.conversations, args.turns)
     print(json.dumps(report, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

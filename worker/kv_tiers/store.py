@@ -129,9 +129,18 @@ def block_view(pool: torch.Tensor, block: int, head_major: bool) -> torch.Tensor
     return slots[:, :, :, block * size : (block + 1) * size]
 
 
-def block_bytes(pool: torch.Tensor, block: int, head_major: bool) -> bytes:
-    rows = block_view(pool, block, head_major).contiguous().cpu()
-    return rows.view(torch.uint8).numpy().tobytes()
+def blocks_bytes(pool: torch.Tensor, blocks: list[int], head_major: bool) -> list[bytes]:
+    """Each block's ``block_view`` as bytes, gathered in one copy (a block at a time cost
+    4 ms of CPU per SmolLM2 block here: 60 small strided copies each)."""
+    layers, _, num_blocks, size, kv_heads, dim = pool.shape
+    index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
+    if head_major:
+        heads = pool.view(layers, 2, kv_heads, num_blocks, size, dim)
+        rows = heads.index_select(3, index).movedim(3, 0)  # [n, layers, 2, heads, bs, D]
+    else:
+        rows = pool.index_select(2, index).movedim(2, 0)  # [n, layers, 2, bs, heads, D]
+    raw = rows.contiguous().cpu().view(torch.uint8).reshape(len(blocks), -1).numpy()
+    return [raw[i].tobytes() for i in range(len(blocks))]
 
 
 def load_block(pool: torch.Tensor, block: int, payload: bytes, head_major: bool) -> bool:
@@ -155,12 +164,17 @@ def move(
 ) -> TierReport:
     """Runs a plan's tier moves, offloads first (a reload may reuse an offloaded block);
     ``head_major``: the pool's layout (``block_view``)."""
+    kept = []
     for block, key in offloads:
         content = ledger.key_of(block) if 0 <= block < ledger.num_blocks else None
         if content is None or not tiers.is_on:
             tiers.drop(key)  # never computed here, or nowhere to keep it
-            continue
-        tiers.put(key, TierBlock(content, block_bytes(pool, block, head_major)))
+        else:
+            kept.append((block, key, content))
+    if kept:
+        payloads = blocks_bytes(pool, [block for block, _, _ in kept], head_major)
+        for (_, key, content), payload in zip(kept, payloads, strict=True):
+            tiers.put(key, TierBlock(content, payload))
     for block, key in reloads:
         if not (0 <= block < ledger.num_blocks) or ledger.is_held(block):
             tiers.fail(key)  # a live sequence's block is never overwritten
