@@ -1,6 +1,6 @@
 """The worker's tiers under its KV pool, and the copies between them and the pool.
 
-The scheduler decides every move (docs/kv-tiers.md); this module carries a step's out:
+The scheduler decides every move (docs/kv-tiers.md); this module carries out a step's:
 
     offloads  pool block -> host tier, before the step's forward overwrites the block;
               host evictions -> disk tier (--kv-disk-dir), or dropped
