@@ -128,6 +128,20 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...] = ()
     scheduled: tuple[ScheduledSequence, ...] = ()
     dropped_seq_ids: tuple[str, ...] = ()
+    # KV tiers (docs/kv-tiers.md): blocks copied down before the step, and back up into
+    # fresh blocks before its forward; block_ids[i] goes with keys[i]
+    offload_block_ids: tuple[int, ...] = ()
+    offload_keys: tuple[bytes, ...] = ()
+    reload_block_ids: tuple[int, ...] = ()
+    reload_keys: tuple[bytes, ...] = ()
+
+    @property
+    def offloads(self) -> list[tuple[int, bytes]]:
+        return list(zip(self.offload_block_ids, self.offload_keys, strict=True))
+
+    @property
+    def reloads(self) -> list[tuple[int, bytes]]:
+        return list(zip(self.reload_block_ids, self.reload_keys, strict=True))
 
     @property
     def num_tokens(self) -> int:
@@ -173,3 +187,7 @@ class StepResult:
     # ids of the adapters loaded on the worker after this step, when the set changed
     resident_adapters: tuple[str, ...] = ()
     adapters_changed: bool = False
+    # KV tiers: keys that left host for disk, keys gone from every tier, failed reloads
+    tier_moved_keys: tuple[bytes, ...] = ()
+    tier_dropped_keys: tuple[bytes, ...] = ()
+    reload_failed_keys: tuple[bytes, ...] = ()

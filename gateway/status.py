@@ -59,6 +59,13 @@ def _worker_json(w: scheduler_pb2.WorkerStats) -> dict[str, Any]:
             "cached": w.num_cached_blocks,
             "map": w.block_map,
         },
+        "kv_tiers": {
+            "host": {"bytes": w.kv_host_bytes, "blocks": w.num_host_tier_blocks},
+            "disk": {"bytes": w.kv_disk_bytes, "blocks": w.num_disk_tier_blocks},
+            "offloads": w.num_tier_offloads,
+            "reloads": w.num_tier_reloads,
+            "failed_reloads": w.num_failed_reloads,
+        },
         "running": [
             {
                 "request_id": s.request_id,

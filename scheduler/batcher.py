@@ -39,6 +39,7 @@ from scheduler.kv import KVManager
 from scheduler.lora import adapter_load_tokens, admissible_waiting
 from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
+from scheduler.tiers import TierIndex
 from scheduler.timing import observe_step
 
 
@@ -50,8 +51,9 @@ class BatchScheduler:
         num_draft_tokens: int = 0,
         clock: Callable[[], float] = time.monotonic,
         max_loras: int | None = None,
+        tiers: TierIndex | None = None,
     ) -> None:
-        self.kv = KVManager(pool, limits.watermark_blocks)
+        self.kv = KVManager(pool, limits.watermark_blocks, tiers)
         # Most distinct adapters in the running batch (so in any step); None: no limit.
         self.max_loras = max_loras
         # Ids of the adapters the worker holds loaded (its last StepResult that said).
@@ -200,6 +202,7 @@ class BatchScheduler:
         observe_step(self.cost, self.speculation, plan, result, since)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         refused = {f.seq_id: f for f in result.failed}
+        retry = self.kv.settle(result, current, set(refused))
         made = Counter(t.seq_id for t in result.tokens)
         for seq_id, seq in current.items():
             entry = entries[seq_id]
@@ -223,8 +226,10 @@ class BatchScheduler:
         events += [
             self._refuse(current[i], f.error, f.is_request_error)
             for i, f in refused.items()
-            if i in current
+            if i in current and i not in retry
         ]
+        for seq_id in retry:
+            self._recompute(current[seq_id])
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent.of(seq, finish=Finish.CANCELLED))
@@ -347,6 +352,15 @@ class BatchScheduler:
                 return False
         return True
 
+    def _recompute(self, seq: Sequence) -> None:
+        """A tier block ``seq`` needed failed its check (the worker refused it): it starts
+        over without it, and its cached tokens are counted again at its next admission."""
+        seq.is_on_worker = False
+        self.num_prompt_tokens -= len(seq.prompt_ids)
+        self.num_cached_prompt_tokens -= seq.num_cached_tokens
+        seq.first_scheduled_time, seq.num_cached_tokens = None, 0
+        self._preempt(seq)
+
     def _drop_early(self, seq: Sequence) -> None:
         """This plan samples ``seq``'s last token: its blocks go back now, and its drop rides
         on the next plan."""
@@ -402,7 +416,8 @@ class BatchScheduler:
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
             if self.depth > 1 and seq.is_done_after(self._ahead(seq).plans.num_samples):
                 self._drop_early(seq)
-        plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops)
+        moves = self.kv.take_moves(step_id, [n.seq_id for n in new])
+        plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops, *moves)
         self._in_flight.append((plan, entries))
         return plan
 

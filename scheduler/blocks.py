@@ -50,6 +50,9 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        # KV tiers: cached blocks handed out again, to copy down before they are rewritten
+        self.keep_evicted = False
+        self.evicted: list[tuple[int, bytes]] = []
 
     @property
     def num_free(self) -> int:
@@ -89,7 +92,10 @@ class BlockPool:
                 block = self._plain.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)  # evict the least recent
-                del self._block_of[self._key_of.pop(block)]
+                key = self._key_of.pop(block)
+                del self._block_of[key]
+                if self.keep_evicted:
+                    self.evicted.append((block, key))
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -150,6 +156,26 @@ class BlockPool:
             if parent not in self._block_of:
                 return i
         return (len(tokens) - 1) // bs
+
+    def has(self, key: bytes) -> bool:
+        return key in self._block_of
+
+    def take(self, key: bytes) -> int | None:
+        """References the cached block of ``key``, if any (a prefix continuing past tier
+        blocks into blocks still in the pool)."""
+        block = self._block_of.get(key)
+        if block is None:
+            return None
+        if self._refs[block] == 0:
+            del self._evictable[block]
+        self._refs[block] += 1
+        return block
+
+    def adopt(self, block: int, key: bytes) -> None:
+        """Keys ``block``, which holds a reloaded tier block, unless the key is cached here."""
+        if self.enable_prefix_cache and key not in self._block_of and block not in self._key_of:
+            self._block_of[key] = block
+            self._key_of[block] = key
 
     def commit(self, block: int, parent: bytes, tokens: list[int]) -> bytes:
         """Records that ``block`` now holds ``tokens`` after ``parent``; returns its key."""

@@ -17,15 +17,27 @@ out, takes them back and keys them.
 
 from __future__ import annotations
 
-from scheduler.blocks import BlockPool
+from canteen.plan import StepResult
+from scheduler.blocks import BlockPool, chain_key
 from scheduler.sequence import Sequence
+from scheduler.tiers import TierIndex
+
+Moves = tuple[tuple[int, ...], tuple[bytes, ...], tuple[int, ...], tuple[bytes, ...]]
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, watermark_blocks: int = 0) -> None:
+    def __init__(
+        self, pool: BlockPool, watermark_blocks: int = 0, tiers: TierIndex | None = None
+    ) -> None:
         self.pool = pool
         # Blocks admission and drafts leave free, so running sequences can grow a while.
         self.watermark_blocks = watermark_blocks
+        # KV tiers under the worker's pool (scheduler/tiers.py); None: evicted blocks are gone
+        self.tiers = tiers
+        pool.keep_evicted = tiers is not None
+        self._offloads: list[tuple[int, bytes]] = []  # evicted, not yet sent
+        self._reloads: dict[str, list[tuple[int, bytes]]] = {}  # by seq_id, not yet sent
+        self._sent: dict[int, dict[str, list[tuple[int, bytes]]]] = {}  # by step_id
 
     @property
     def block_size(self) -> int:
@@ -81,7 +93,7 @@ class KVManager:
         """Returns all of ``seq``'s blocks (full computed ones stay cached); it starts over
         from no computed tokens."""
         if seq.block_ids:
-            self.pool.free(seq.block_ids)
+            self.pool.free(seq.block_ids)  # reloaded blocks not confirmed yet are not keyed
         self.forget(seq)
 
     def release_early(self, seq: Sequence, *, num_scheduled: int) -> None:
@@ -97,6 +109,7 @@ class KVManager:
         """Empties ``seq``'s table without returning its blocks: for a pool that is gone
         with its worker, and after the blocks went back."""
         seq.block_ids, seq.block_keys, seq.num_computed, seq.num_sent_blocks = [], [], 0, 0
+        self._reloads.pop(seq.seq_id, None)
 
     # -- prefix cache ---------------------------------------------------------------------
 
@@ -124,4 +137,109 @@ class KVManager:
         if seq.block_ids:
             return
         seq.block_ids, seq.block_keys = self.pool.match_prefix(seq.tokens, seq.prefix_salt)
+        if self.tiers is not None and self.pool.enable_prefix_cache:
+            self._reload_from_tiers(seq)
         seq.num_computed = len(seq.block_ids) * self.block_size
+
+    def count_cached_prefix(self, tokens: list[int], salt: str = "") -> int:
+        """Leading full blocks of ``tokens`` this worker holds in its pool or its tiers."""
+        num = self.pool.count_cached_prefix(tokens, salt)
+        if self.tiers is None or not self.pool.enable_prefix_cache:
+            return num
+        return num + len(self._chain(tokens, salt, num))
+
+    # -- KV tiers (docs/kv-tiers.md) ------------------------------------------------------
+
+    def _chain(self, tokens: list[int], salt: str, start: int) -> list[bytes]:
+        """Keys of the full blocks from block ``start`` on held in the pool or the tiers,
+        in a row."""
+        assert self.tiers is not None
+        bs = self.block_size
+        parent = self.pool.root_for(salt)
+        keys: list[bytes] = []
+        for i in range((len(tokens) - 1) // bs):  # one token is always left to compute
+            parent = chain_key(parent, tokens[i * bs : (i + 1) * bs])
+            if i < start:
+                continue
+            if not (parent in self.tiers or self.pool.has(parent)):
+                break
+            keys.append(parent)
+        return keys
+
+    def _reload_from_tiers(self, seq: Sequence) -> None:
+        """Continues ``seq``'s cached prefix past the pool's hit: blocks in the tiers are
+        copied into fresh blocks by the plan that sends it, later ones still cached in the
+        pool are shared; it stops at the first block neither holds (or when the pool has no
+        room)."""
+        assert self.tiers is not None
+        keys = self._chain(seq.tokens, seq.prefix_salt, len(seq.block_ids))
+        reloads = []
+        for key in keys:
+            block = self.pool.take(key)
+            if block is None:
+                self._note_evictions()  # a block just evicted is in the host tier now
+                fresh = self.pool.allocate(1) if key in self.tiers else None
+                if fresh is None:
+                    break
+                block = fresh[0]
+                reloads.append((block, key))  # keyed in the pool once the worker confirms it
+            seq.block_ids.append(block)
+            seq.block_keys.append(key)
+        self._note_evictions()
+        if reloads:
+            self._reloads[seq.seq_id] = reloads
+
+    def _note_evictions(self) -> None:
+        """Cached blocks the pool handed out again go down to the tiers (the next plan's
+        offloads): the index knows them from now on."""
+        assert self.tiers is not None
+        for block, key in self.pool.evicted:
+            self.tiers.offloaded(key)
+            self._offloads.append((block, key))
+        self.pool.evicted = []
+
+    def take_moves(self, step_id: int, seq_ids: list[str]) -> Moves:
+        """The tier moves of the plan ``step_id`` that sends ``seq_ids`` as new: every
+        block evicted since the last plan goes down, their reloads come up."""
+        if self.tiers is None:
+            return (), (), (), ()
+        self._note_evictions()
+        evicted, self._offloads = self._offloads, []
+        reloads = {i: r for i in seq_ids if (r := self._reloads.pop(i, None))}
+        if reloads:
+            self._sent[step_id] = reloads
+        up = [pair for pairs in reloads.values() for pair in pairs]
+        self.tiers.num_reloads += len(up)
+        return (
+            tuple(b for b, _ in evicted),
+            tuple(k for _, k in evicted),
+            tuple(b for b, _ in up),
+            tuple(k for _, k in up),
+        )
+
+    def settle(
+        self, result: StepResult, current: dict[str, Sequence], refused: set[str]
+    ) -> set[str]:
+        """Applies a result's tier report; reloaded blocks of the sequences that ran join
+        the prefix cache. Returns the refused sequences a failed reload of theirs explains:
+        they are recomputed, not failed."""
+        sent = self._sent.pop(result.step_id, {})
+        if self.tiers is None:
+            return set()
+        self.tiers.apply(result.tier_moved_keys, result.tier_dropped_keys)
+        failed = set(result.reload_failed_keys)
+        self.tiers.failed(result.reload_failed_keys)
+        retry = set()
+        for seq_id, pairs in sent.items():
+            seq = current.get(seq_id)
+            if seq is None:
+                continue
+            if seq_id in refused:
+                if any(key in failed for _, key in pairs):
+                    retry.add(seq_id)
+                continue
+            held = set(seq.block_ids)  # blocks given back early went plain: not keyed
+            for block, key in pairs:
+                if block in held:
+                    self.pool.adopt(block, key)
+        return retry

@@ -27,6 +27,7 @@ from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
 from scheduler.sequence import Sequence
 from scheduler.subscriptions import EventSink
+from scheduler.tiers import TierIndex
 
 log = get_logger(__name__)
 
@@ -68,6 +69,15 @@ class WorkerDescription:
     peak_bytes_before_kv: int = 0
     max_loras: int = 0  # most distinct LoRA adapters in one step; 0: adapters not served
     max_cpu_loras: int = 0
+    kv_host_bytes: int = 0  # its KV tiers (docs/kv-tiers.md); 0 and 0: none
+    kv_disk_bytes: int = 0
+    kv_version: str = ""  # the model version digest its KV blocks belong to
+    kv_disk_keys: tuple[bytes, ...] = ()  # blocks of that version its disk tier held
+    kv_disk_id: str = ""  # "host:/path" of its disk tier; one id, one shared index
+
+    @property
+    def has_tiers(self) -> bool:
+        return self.kv_host_bytes > 0 or self.kv_disk_bytes > 0
 
 
 def describe(info: worker_pb2.WorkerInfo, address: str) -> WorkerDescription:
@@ -97,10 +107,16 @@ class WorkerLink:
             desc.num_blocks,
             desc.block_size,
             settings.enable_prefix_cache,
-            cache_salt=f"{desc.model}:{desc.version}",
+            # the version digest too: tier blocks outlive a worker, and a key names its KV
+            cache_salt=f"{desc.model}:{desc.version}:{desc.kv_version}",
         )
+        tiers = TierIndex(desc.kv_disk_id, desc.kv_disk_keys) if desc.has_tiers else None
         self.core = BatchScheduler(
-            pool, limits, desc.num_speculative_tokens, max_loras=desc.max_loras or None
+            pool,
+            limits,
+            desc.num_speculative_tokens,
+            max_loras=desc.max_loras or None,
+            tiers=tiers,
         )
         self._queues: dict[str, EventSink] = {}
         self._wake = asyncio.Event()

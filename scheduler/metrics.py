@@ -114,6 +114,13 @@ class PoolCollector(Collector):
             drafts.add_metric(labels, core.speculation.num_draft_tokens)
             accepted.add_metric(labels, core.speculation.num_accepted_tokens)
             g["acceptance"].add_metric(labels, core.speculation.acceptance_rate)
+            if (tiers := core.kv.tiers) is not None:
+                g["tiers"].add_metric([*labels, "host"], len(tiers.host))
+                g["tiers"].add_metric([*labels, "disk"], len(tiers.disk))
+                g["tier_bytes"].add_metric([*labels, "host"], d.kv_host_bytes)
+                g["tier_bytes"].add_metric([*labels, "disk"], d.kv_disk_bytes)
+                g["reloads"].add_metric([*labels, "ok"], tiers.num_reloads)
+                g["reloads"].add_metric([*labels, "failed"], tiers.num_failed_reloads)
         yield from g.values()
         yield from (preemptions, drafts, accepted)
 
@@ -140,5 +147,12 @@ def _gauges() -> dict[str, GaugeMetricFamily]:
         "acceptance": gauge(
             "canteen_speculative_acceptance_rate",
             "Share of verified draft tokens accepted (0 before any)",
+        ),
+        "tiers": gauge("canteen_kv_tier_blocks", "KV blocks known in a tier", "tier"),
+        "tier_bytes": gauge("canteen_kv_tier_capacity_bytes", "Bytes a KV tier may hold", "tier"),
+        "reloads": gauge(
+            "canteen_kv_tier_reloads",
+            "Tier blocks planned back into the pool (ok), and those that failed a check",
+            "outcome",
         ),
     }

@@ -273,7 +273,7 @@ def pick_worker(
     chosen = None
     for i in indices:
         core = cores[i]
-        cached = core.pool.count_cached_prefix(prompt_ids, salt)
+        cached = core.kv.count_cached_prefix(prompt_ids, salt)  # pool and tiers
         room = _headroom(core) - (core.pool.blocks_for(len(prompt_ids)) - cached)
         if cached and room >= 0 and not core.waiting and (best is None or (cached, room) > best):
             best, chosen = (cached, room), i

@@ -39,6 +39,13 @@ class WorkerStats:
     block_map: str  # one character per block (BlockPool.state_map)
     running: tuple[RunningSequence, ...]  # in admission order
     last_batch_size: int
+    kv_host_bytes: int = 0  # KV tiers (docs/kv-tiers.md)
+    kv_disk_bytes: int = 0
+    num_host_tier_blocks: int = 0
+    num_disk_tier_blocks: int = 0
+    num_tier_offloads: int = 0
+    num_tier_reloads: int = 0
+    num_failed_reloads: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,23 @@ def link_stats(link: WorkerLink) -> WorkerStats:
         block_map=core.pool.state_map(),
         running=running,
         last_batch_size=link.last_batch_size,
+        **_tier_stats(link),
     )
+
+
+def _tier_stats(link: WorkerLink) -> dict[str, int]:
+    tiers = link.core.kv.tiers
+    if tiers is None:
+        return {}
+    return {
+        "kv_host_bytes": link.desc.kv_host_bytes,
+        "kv_disk_bytes": link.desc.kv_disk_bytes,
+        "num_host_tier_blocks": len(tiers.host),
+        "num_disk_tier_blocks": len(tiers.disk),
+        "num_tier_offloads": tiers.num_offloads,
+        "num_tier_reloads": tiers.num_reloads,
+        "num_failed_reloads": tiers.num_failed_reloads,
+    }
 
 
 def pool_stats(pool: WorkerPool) -> tuple[list[WorkerStats], list[RefusedWorker]]:

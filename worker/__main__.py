@@ -37,6 +37,7 @@ from worker.engine.memory import (
 )
 from worker.engine.observe import WorkerMetrics
 from worker.engine.runner import ModelRunner, RunnerConfig
+from worker.kv_tiers.store import open_tiers, version_digest
 from worker.lora.store import LoraMetrics
 from worker.model.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
 from worker.server import WorkerIdentity, WorkerServicer
@@ -235,6 +236,18 @@ async def load(
     max_model_len = min(loaded.max_model_len, record.max_model_len or loaded.max_model_len)
     runner, size = await loop.run_in_executor(
         engine, build_runner, loaded, config, baseline, max_model_len, draft, shares_kv
+    )
+    digest = version_digest(
+        record.name,
+        record.version,
+        record.sha256,
+        loaded.dtype,
+        loaded.quantization,
+        loaded.forward_name,
+        config.block_size,
+    )
+    runner.tiers = open_tiers(
+        config.kv_host_tier_bytes, config.kv_disk_dir, config.kv_disk_tier_bytes, digest
     )
     servicer.runner, servicer.pool_size = runner, size
     servicer.eos_token_ids = loaded.eos_token_ids

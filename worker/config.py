@@ -100,6 +100,17 @@ class WorkerConfig(InternalLinkOptions):
         within(0, 0.98, "must be in (0, 0.98], or 0 for --kv-cache-memory"),
     )
     num_kv_blocks: int = option(0, "exact number of KV blocks (overrides both above)", at_least(0))
+    kv_host_bytes: str = option(
+        "0",
+        "bytes of host memory for prefix blocks evicted from the KV pool, e.g. 4GiB (on a CPU "
+        "worker a budget of its own in the same RAM); 0: no host tier",
+    )
+    kv_disk_dir: str = option(
+        "",
+        "folder of the disk KV tier, where blocks evicted from the host tier go; it survives "
+        "restarts, and workers of one node given the same folder share its blocks; '': none",
+    )
+    kv_disk_bytes: str = option("16GiB", "bytes the disk KV tier may hold (with --kv-disk-dir)")
     max_batched_tokens: int = flag("max_batched_tokens")
     cuda_graph_max_batch: int = option(
         32,
@@ -198,6 +209,8 @@ class WorkerConfig(InternalLinkOptions):
             f"must be at least --max-loras ({self.max_loras}): a step's adapters are in memory",
         )
         parse_bytes(self.kv_cache_memory)
+        parse_bytes(self.kv_host_bytes)
+        parse_bytes(self.kv_disk_bytes)
 
     @property
     def graph_sizes(self) -> GraphSizes | None:
@@ -227,3 +240,11 @@ class WorkerConfig(InternalLinkOptions):
     @property
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
+
+    @property
+    def kv_host_tier_bytes(self) -> int:
+        return parse_bytes(self.kv_host_bytes)
+
+    @property
+    def kv_disk_tier_bytes(self) -> int:
+        return parse_bytes(self.kv_disk_bytes) if self.kv_disk_dir else 0

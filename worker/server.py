@@ -54,6 +54,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         assert self.runner is not None and self.pool_size is not None
         i, size, loaded = self.identity, self.pool_size, self.runner.loaded
+        tiers = self.runner.tiers
         return worker_pb2.WorkerInfo(
             worker_id=i.worker_id,
             model=i.model,
@@ -78,6 +79,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ),
             max_loras=self.runner.lora.max_loras,
             max_cpu_loras=self.runner.lora.options.max_cpu_loras,
+            kv_host_bytes=tiers.host.capacity_bytes,
+            kv_disk_bytes=tiers.disk.capacity_bytes if tiers.disk is not None else 0,
+            kv_version=tiers.version.hex(),
+            kv_disk_keys=tiers.disk_keys(),
+            kv_disk_id=tiers.disk_id,
         )
 
     async def Run(

@@ -260,6 +260,13 @@ class WorkerStats(_message.Message):
     LAST_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_HOST_BYTES_FIELD_NUMBER: _builtins.int
+    KV_DISK_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_HOST_TIER_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_DISK_TIER_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_TIER_OFFLOADS_FIELD_NUMBER: _builtins.int
+    NUM_TIER_RELOADS_FIELD_NUMBER: _builtins.int
+    NUM_FAILED_RELOADS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id."""
     address: _builtins.str
@@ -296,6 +303,20 @@ class WorkerStats(_message.Message):
     """Draft tokens verified so far (speculative decoding)."""
     num_accepted_tokens: _builtins.int
     """Of those, the ones accepted."""
+    kv_host_bytes: _builtins.int
+    """The worker's KV tiers (docs/kv-tiers.md): the host tier's bytes (--kv-host-bytes) and
+    the disk tier's (--kv-disk-bytes); 0: that tier is off.
+    """
+    kv_disk_bytes: _builtins.int
+    num_host_tier_blocks: _builtins.int
+    """Blocks the scheduler knows in each tier."""
+    num_disk_tier_blocks: _builtins.int
+    num_tier_offloads: _builtins.int
+    """Blocks copied down to the tiers, back up into the pool, and reloads that failed a check
+    (recomputed) since the link started.
+    """
+    num_tier_reloads: _builtins.int
+    num_failed_reloads: _builtins.int
     @_builtins.property
     def running(self) -> _containers.RepeatedCompositeFieldContainer[Global___RunningSequence]:
         """The running batch, in admission order."""
@@ -321,10 +342,17 @@ class WorkerStats(_message.Message):
         last_batch_size: _builtins.int = ...,
         num_draft_tokens: _builtins.int = ...,
         num_accepted_tokens: _builtins.int = ...,
+        kv_host_bytes: _builtins.int = ...,
+        kv_disk_bytes: _builtins.int = ...,
+        num_host_tier_blocks: _builtins.int = ...,
+        num_disk_tier_blocks: _builtins.int = ...,
+        num_tier_offloads: _builtins.int = ...,
+        num_tier_reloads: _builtins.int = ...,
+        num_failed_reloads: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_map", b"block_map", "is_ready", b"is_ready", "last_batch_size", b"last_batch_size", "model", b"model", "num_accepted_tokens", b"num_accepted_tokens", "num_cached_blocks", b"num_cached_blocks", "num_draft_tokens", b"num_draft_tokens", "num_free_blocks", b"num_free_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "block_map", b"block_map", "is_ready", b"is_ready", "kv_disk_bytes", b"kv_disk_bytes", "kv_host_bytes", b"kv_host_bytes", "last_batch_size", b"last_batch_size", "model", b"model", "num_accepted_tokens", b"num_accepted_tokens", "num_cached_blocks", b"num_cached_blocks", "num_disk_tier_blocks", b"num_disk_tier_blocks", "num_draft_tokens", b"num_draft_tokens", "num_failed_reloads", b"num_failed_reloads", "num_free_blocks", b"num_free_blocks", "num_host_tier_blocks", b"num_host_tier_blocks", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_tier_offloads", b"num_tier_offloads", "num_tier_reloads", b"num_tier_reloads", "num_total_blocks", b"num_total_blocks", "num_waiting", b"num_waiting", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "running", b"running", "version", b"version", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

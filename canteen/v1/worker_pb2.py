@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from canteen.v1 import common_pb2 as canteen_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63\x61nteen/v1/worker.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xdb\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1a\n\x12max_batched_tokens\x18\n \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x1b\n\x13memory_budget_bytes\x18\x0c \x01(\x03\x12\x1c\n\x14peak_bytes_before_kv\x18\r \x01(\x03\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x10 \x01(\t\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x13\n\x0bspeculative\x18\x12 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x13 \x01(\x05\x12\x11\n\tmax_loras\x18\x14 \x01(\x05\x12\x15\n\rmax_cpu_loras\x18\x15 \x01(\x05\"\xf9\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\'\n\x07\x61\x64\x61pter\x18\t \x01(\x0b\x32\x16.canteen.v1.AdapterRef\"h\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\"\x96\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x17.canteen.v1.NewSequence\x12\x30\n\tscheduled\x18\x03 \x03(\x0b\x32\x1d.canteen.v1.ScheduledSequence\x12\x17\n\x0f\x64ropped_seq_ids\x18\x04 \x03(\t\"g\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x01(\x0b\x32\x17.canteen.v1.TopLogprobs\"F\n\x0bStepTimings\x12\x12\n\nforward_ns\x18\x01 \x01(\x03\x12\x11\n\tsample_ns\x18\x02 \x01(\x03\x12\x10\n\x08total_ns\x18\x03 \x01(\x03\"\x91\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x06tokens\x18\x02 \x03(\x0b\x32\x18.canteen.v1.SampledToken\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.canteen.v1.StepTimings\x12+\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1b.canteen.v1.SequenceFailure\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x07 \x01(\x05\x12=\n\x0cnum_proposed\x18\x08 \x03(\x0b\x32\'.canteen.v1.StepResult.NumProposedEntry\x12\x19\n\x11resident_adapters\x18\t \x03(\t\x12\x18\n\x10\x61\x64\x61pters_changed\x18\n \x01(\x08\x1a\x32\n\x10NumProposedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"J\n\x0fSequenceFailure\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x18\n\x10is_request_error\x18\x03 \x01(\x08\x32\x80\x01\n\x06Worker\x12=\n\x07GetInfo\x12\x1a.canteen.v1.GetInfoRequest\x1a\x16.canteen.v1.WorkerInfo\x12\x37\n\x03Run\x12\x14.canteen.v1.StepPlan\x1a\x16.canteen.v1.StepResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x63\x61nteen/v1/worker.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xc7\x04\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x17\n\x0f\x62ytes_per_block\x18\x06 \x01(\x03\x12\x15\n\rmax_model_len\x18\x07 \x01(\x05\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\t \x01(\t\x12\x1a\n\x12max_batched_tokens\x18\n \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x0b \x01(\x03\x12\x1b\n\x13memory_budget_bytes\x18\x0c \x01(\x03\x12\x1c\n\x14peak_bytes_before_kv\x18\r \x01(\x03\x12\x12\n\nvocab_size\x18\x0e \x01(\x05\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x14\n\x0c\x64type_reason\x18\x10 \x01(\t\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x13\n\x0bspeculative\x18\x12 \x01(\t\x12\x1e\n\x16num_speculative_tokens\x18\x13 \x01(\x05\x12\x11\n\tmax_loras\x18\x14 \x01(\x05\x12\x15\n\rmax_cpu_loras\x18\x15 \x01(\x05\x12\x15\n\rkv_host_bytes\x18\x16 \x01(\x03\x12\x15\n\rkv_disk_bytes\x18\x17 \x01(\x03\x12\x12\n\nkv_version\x18\x18 \x01(\t\x12\x14\n\x0ckv_disk_keys\x18\x19 \x03(\x0c\x12\x12\n\nkv_disk_id\x18\x1a \x01(\t\"\xf9\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12\x13\n\x0btraceparent\x18\x06 \x01(\t\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\x05\x12\'\n\x07\x61\x64\x61pter\x18\t \x01(\x0b\x32\x16.canteen.v1.AdapterRef\"h\n\x11ScheduledSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x15\n\rnew_block_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\x05\"\xf6\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\rnew_sequences\x18\x02 \x03(\x0b\x32\x17.canteen.v1.NewSequence\x12\x30\n\tscheduled\x18\x03 \x03(\x0b\x32\x1d.canteen.v1.ScheduledSequence\x12\x17\n\x0f\x64ropped_seq_ids\x18\x04 \x03(\t\x12\x19\n\x11offload_block_ids\x18\x05 \x03(\x05\x12\x14\n\x0coffload_keys\x18\x06 \x03(\x0c\x12\x18\n\x10reload_block_ids\x18\x07 \x03(\x05\x12\x13\n\x0breload_keys\x18\x08 \x03(\x0c\"g\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x01(\x0b\x32\x17.canteen.v1.TopLogprobs\"F\n\x0bStepTimings\x12\x12\n\nforward_ns\x18\x01 \x01(\x03\x12\x11\n\tsample_ns\x18\x02 \x01(\x03\x12\x10\n\x08total_ns\x18\x03 \x01(\x03\"\xe1\x03\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12(\n\x06tokens\x18\x02 \x03(\x0b\x32\x18.canteen.v1.SampledToken\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12(\n\x07timings\x18\x04 \x01(\x0b\x32\x17.canteen.v1.StepTimings\x12+\n\x06\x66\x61iled\x18\x05 \x03(\x0b\x32\x1b.canteen.v1.SequenceFailure\x12\x18\n\x10num_draft_tokens\x18\x06 \x01(\x05\x12\x1b\n\x13num_accepted_tokens\x18\x07 \x01(\x05\x12=\n\x0cnum_proposed\x18\x08 \x03(\x0b\x32\'.canteen.v1.StepResult.NumProposedEntry\x12\x19\n\x11resident_adapters\x18\t \x03(\t\x12\x18\n\x10\x61\x64\x61pters_changed\x18\n \x01(\x08\x12\x17\n\x0ftier_moved_keys\x18\x0b \x03(\x0c\x12\x19\n\x11tier_dropped_keys\x18\x0c \x03(\x0c\x12\x1a\n\x12reload_failed_keys\x18\r \x03(\x0c\x1a\x32\n\x10NumProposedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"J\n\x0fSequenceFailure\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x18\n\x10is_request_error\x18\x03 \x01(\x08\x32\x80\x01\n\x06Worker\x12=\n\x07GetInfo\x12\x1a.canteen.v1.GetInfoRequest\x1a\x16.canteen.v1.WorkerInfo\x12\x37\n\x03Run\x12\x14.canteen.v1.StepPlan\x1a\x16.canteen.v1.StepResult(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,23 +37,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFOREQUEST']._serialized_start=64
   _globals['_GETINFOREQUEST']._serialized_end=80
   _globals['_WORKERINFO']._serialized_start=83
-  _globals['_WORKERINFO']._serialized_end=558
-  _globals['_NEWSEQUENCE']._serialized_start=561
-  _globals['_NEWSEQUENCE']._serialized_end=810
-  _globals['_SCHEDULEDSEQUENCE']._serialized_start=812
-  _globals['_SCHEDULEDSEQUENCE']._serialized_end=916
-  _globals['_STEPPLAN']._serialized_start=919
-  _globals['_STEPPLAN']._serialized_end=1069
-  _globals['_SAMPLEDTOKEN']._serialized_start=1071
-  _globals['_SAMPLEDTOKEN']._serialized_end=1174
-  _globals['_STEPTIMINGS']._serialized_start=1176
-  _globals['_STEPTIMINGS']._serialized_end=1246
-  _globals['_STEPRESULT']._serialized_start=1249
-  _globals['_STEPRESULT']._serialized_end=1650
-  _globals['_STEPRESULT_NUMPROPOSEDENTRY']._serialized_start=1600
-  _globals['_STEPRESULT_NUMPROPOSEDENTRY']._serialized_end=1650
-  _globals['_SEQUENCEFAILURE']._serialized_start=1652
-  _globals['_SEQUENCEFAILURE']._serialized_end=1726
-  _globals['_WORKER']._serialized_start=1729
-  _globals['_WORKER']._serialized_end=1857
+  _globals['_WORKERINFO']._serialized_end=666
+  _globals['_NEWSEQUENCE']._serialized_start=669
+  _globals['_NEWSEQUENCE']._serialized_end=918
+  _globals['_SCHEDULEDSEQUENCE']._serialized_start=920
+  _globals['_SCHEDULEDSEQUENCE']._serialized_end=1024
+  _globals['_STEPPLAN']._serialized_start=1027
+  _globals['_STEPPLAN']._serialized_end=1273
+  _globals['_SAMPLEDTOKEN']._serialized_start=1275
+  _globals['_SAMPLEDTOKEN']._serialized_end=1378
+  _globals['_STEPTIMINGS']._serialized_start=1380
+  _globals['_STEPTIMINGS']._serialized_end=1450
+  _globals['_STEPRESULT']._serialized_start=1453
+  _globals['_STEPRESULT']._serialized_end=1934
+  _globals['_STEPRESULT_NUMPROPOSEDENTRY']._serialized_start=1884
+  _globals['_STEPRESULT_NUMPROPOSEDENTRY']._serialized_end=1934
+  _globals['_SEQUENCEFAILURE']._serialized_start=1936
+  _globals['_SEQUENCEFAILURE']._serialized_end=2010
+  _globals['_WORKER']._serialized_start=2013
+  _globals['_WORKER']._serialized_end=2141
 # @@protoc_insertion_point(module_scope)

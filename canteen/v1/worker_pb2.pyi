@@ -63,6 +63,11 @@ class WorkerInfo(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     MAX_LORAS_FIELD_NUMBER: _builtins.int
     MAX_CPU_LORAS_FIELD_NUMBER: _builtins.int
+    KV_HOST_BYTES_FIELD_NUMBER: _builtins.int
+    KV_DISK_BYTES_FIELD_NUMBER: _builtins.int
+    KV_VERSION_FIELD_NUMBER: _builtins.int
+    KV_DISK_KEYS_FIELD_NUMBER: _builtins.int
+    KV_DISK_ID_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id, unique per process."""
     model: _builtins.str
@@ -103,9 +108,23 @@ class WorkerInfo(_message.Message):
     """Most distinct LoRA adapters one step may mix (--max-loras); 0: adapters not served."""
     max_cpu_loras: _builtins.int
     """Most adapters kept loaded in memory, least recently used evicted (--max-cpu-loras)."""
+    kv_host_bytes: _builtins.int
+    """Bytes of the host-memory KV tier under the pool (--kv-host-bytes); 0: none."""
+    kv_disk_bytes: _builtins.int
+    """Bytes of the disk KV tier (--kv-disk-bytes); 0: no disk tier."""
+    kv_version: _builtins.str
+    """Hex digest of the model version a KV block belongs to (model, version, weights,
+    dtype, quantization, block size); blocks are reused only under the same digest.
+    """
+    kv_disk_id: _builtins.str
+    """The disk tier's folder as "host:/real/path": workers with the same one share blocks."""
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model."""
+
+    @_builtins.property
+    def kv_disk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Keys of the blocks of this version found in the disk tier (at start, and since)."""
 
     def __init__(
         self,
@@ -131,10 +150,15 @@ class WorkerInfo(_message.Message):
         num_speculative_tokens: _builtins.int = ...,
         max_loras: _builtins.int = ...,
         max_cpu_loras: _builtins.int = ...,
+        kv_host_bytes: _builtins.int = ...,
+        kv_disk_bytes: _builtins.int = ...,
+        kv_version: _builtins.str = ...,
+        kv_disk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        kv_disk_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "max_batched_tokens", b"max_batched_tokens", "max_cpu_loras", b"max_cpu_loras", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "kv_disk_bytes", b"kv_disk_bytes", "kv_disk_id", b"kv_disk_id", "kv_disk_keys", b"kv_disk_keys", "kv_host_bytes", b"kv_host_bytes", "kv_version", b"kv_version", "max_batched_tokens", b"max_batched_tokens", "max_cpu_loras", b"max_cpu_loras", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -258,6 +282,10 @@ class StepPlan(_message.Message):
     NEW_SEQUENCES_FIELD_NUMBER: _builtins.int
     SCHEDULED_FIELD_NUMBER: _builtins.int
     DROPPED_SEQ_IDS_FIELD_NUMBER: _builtins.int
+    OFFLOAD_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    OFFLOAD_KEYS_FIELD_NUMBER: _builtins.int
+    RELOAD_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    RELOAD_KEYS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Increasing step number, echoed in the result."""
     @_builtins.property
@@ -272,6 +300,22 @@ class StepPlan(_message.Message):
     def dropped_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Sequences to forget (finished, cancelled, preempted), applied before this step."""
 
+    @_builtins.property
+    def offload_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Cached blocks this plan hands out again: the worker copies each to its KV tiers under
+        the key at the same index of offload_keys, before anything else in the step.
+        """
+
+    @_builtins.property
+    def offload_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def reload_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tier blocks to copy back into fresh pool blocks (after the offloads, before the
+        forward); a sequence in this plan counts them as cached tokens.
+        """
+
+    @_builtins.property
+    def reload_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
@@ -279,10 +323,14 @@ class StepPlan(_message.Message):
         new_sequences: _abc.Iterable[Global___NewSequence] | None = ...,
         scheduled: _abc.Iterable[Global___ScheduledSequence] | None = ...,
         dropped_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
+        offload_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        offload_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        reload_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        reload_keys: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_seq_ids", b"dropped_seq_ids", "new_sequences", b"new_sequences", "scheduled", b"scheduled", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_seq_ids", b"dropped_seq_ids", "new_sequences", b"new_sequences", "offload_block_ids", b"offload_block_ids", "offload_keys", b"offload_keys", "reload_block_ids", b"reload_block_ids", "reload_keys", b"reload_keys", "scheduled", b"scheduled", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -390,6 +438,9 @@ class StepResult(_message.Message):
     NUM_PROPOSED_FIELD_NUMBER: _builtins.int
     RESIDENT_ADAPTERS_FIELD_NUMBER: _builtins.int
     ADAPTERS_CHANGED_FIELD_NUMBER: _builtins.int
+    TIER_MOVED_KEYS_FIELD_NUMBER: _builtins.int
+    TIER_DROPPED_KEYS_FIELD_NUMBER: _builtins.int
+    RELOAD_FAILED_KEYS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The plan's step id."""
     num_tokens: _builtins.int
@@ -428,6 +479,20 @@ class StepResult(_message.Message):
         when the set changed this step (adapters_changed).
         """
 
+    @_builtins.property
+    def tier_moved_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Keys that left the host tier for the disk tier during this step."""
+
+    @_builtins.property
+    def tier_dropped_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Keys no tier holds any more (evicted, refused by a checksum, never written)."""
+
+    @_builtins.property
+    def reload_failed_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Reloads of this plan that failed (missing, or refused by a checksum): the sequences
+        that needed them were refused and are recomputed, never served the block.
+        """
+
     def __init__(
         self,
         *,
@@ -441,10 +506,13 @@ class StepResult(_message.Message):
         num_proposed: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         resident_adapters: _abc.Iterable[_builtins.str] | None = ...,
         adapters_changed: _builtins.bool = ...,
+        tier_moved_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        tier_dropped_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        reload_failed_keys: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters_changed", b"adapters_changed", "failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed", b"num_proposed", "num_tokens", b"num_tokens", "resident_adapters", b"resident_adapters", "step_id", b"step_id", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters_changed", b"adapters_changed", "failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed", b"num_proposed", "num_tokens", b"num_tokens", "reload_failed_keys", b"reload_failed_keys", "resident_adapters", b"resident_adapters", "step_id", b"step_id", "tier_dropped_keys", b"tier_dropped_keys", "tier_moved_keys", b"tier_moved_keys", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -30,7 +30,11 @@ class TinySuite:
 
 @contextmanager
 def tiny_suite(
-    workdir: Path, model_dir: Path, num_kv_blocks: int, dtype: tuple[str, ...] = TRANSFORMERS_DTYPE
+    workdir: Path,
+    model_dir: Path,
+    num_kv_blocks: int,
+    dtype: tuple[str, ...] = TRANSFORMERS_DTYPE,
+    worker_args: tuple[str, ...] = (),
 ) -> Iterator[TinySuite]:
     """Registry, scheduler, one worker of the tiny model and a gateway, stopped on exit. The
     worker runs float32 unless ``dtype`` says otherwise (``()``: the default): the shared
@@ -58,6 +62,7 @@ def tiny_suite(
             "--max-batched-tokens",
             "256",
             *dtype,
+            *worker_args,
         )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
         gateway = s.start_gateway(registry, scheduler)

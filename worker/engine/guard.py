@@ -113,6 +113,17 @@ class BlockLedger:
         for block in block_ids:
             self._holders[block] -= 1
 
+    def is_held(self, block: int) -> bool:
+        return self._holders[block] > 0
+
+    def key_of(self, block: int) -> bytes | None:
+        """The content key of a full block computed (or reloaded) here, if any."""
+        return self._keys.get(block)
+
+    def loaded(self, block: int, key: bytes) -> None:
+        """``block`` now holds content reloaded from a KV tier, whose chain key is ``key``."""
+        self._keys[block] = key
+
     def release_all(self) -> None:
         """A new Run stream: no sequence holds anything (computed contents stay known)."""
         self._holders = [0] * self.num_blocks

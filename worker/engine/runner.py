@@ -28,6 +28,7 @@ from worker.engine.constrain import Constraints, GrammarOptions, StepMasks, load
 from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
 from worker.engine.guard import BlockLedger, EntryError, root_key
 from worker.engine.sampler import sample
+from worker.kv_tiers.store import KVTiers, move
 from worker.lora.adapter import LoraError
 from worker.lora.manager import LoraManager
 from worker.lora.store import LoraOptions
@@ -92,6 +93,7 @@ class ModelRunner:
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
         self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
+        self.tiers = KVTiers()  # none until the worker opens its own (worker/kv_tiers/)
         self.constraints = Constraints(
             lambda: load_tokenizer(loaded.path, loaded.fmt),
             self.vocab_size,
@@ -140,6 +142,22 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
+        moved = None
+        if plan.offload_block_ids or plan.reload_block_ids or self.tiers.is_on:
+            # tier moves first: offloads before the forward overwrites their blocks, reloads
+            # before the new sequences that count them as cached are checked
+            moved = move(
+                self.tiers,
+                self.kv_pool,
+                self.ledger,
+                plan.offloads,
+                plan.reloads,
+                self.loaded.forward_name == "fast",  # its head-major pool layout
+            )
+        result = self._compute(plan, started)
+        return result if moved is None else moved.onto(result)
+
+    def _compute(self, plan: StepPlan, started: int) -> StepResult:
         plan, failed = self._apply(plan)
         if not plan.scheduled:
             return self.lora.annotate(

