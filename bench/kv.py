@@ -10,7 +10,7 @@
                  the worker's peak RSS against the budget it reports
 
 Usage: python bench/kv.py [--only shared-prefix|interference|overload] [--rounds 2]
-                          [--json out.json]
+                          [--interference-rounds 1] [--no-stall-off] [--json out.json]
 """
 
 from __future__ import annotations
@@ -176,15 +176,24 @@ async def interference_run(address: str, long_prompt: str) -> dict[str, float]:
     }
 
 
-def interference(tokenizer: object, tmp: Path) -> dict[str, object]:
-    long_prompt = text_of_tokens(tokenizer, 2000, 7)
+def interference(
+    tokenizer: object, tmp: Path, rounds: int = 1, stall_off: bool = True
+) -> dict[str, object]:
+    """Each round uses a fresh long prompt (seeded by the round), so no prefix is cached."""
     report: dict[str, object] = {}
     worker = [*THREADS, "--kv-cache-memory", "512MiB"]
-    for name, args in (("stall_default", []), ("stall_off", ["--max-step-stall", "0"])):
+    variants: list[tuple[str, list[str]]] = [("stall_default", [])]
+    if stall_off:
+        variants.append(("stall_off", ["--max-step-stall", "0"]))
+    for name, args in variants:
         with default_model_stack(tmp / name, args, worker) as s:
             asyncio.run(interference_run(s.gateway.address, "warm up " * 20))
-            report[name] = asyncio.run(interference_run(s.gateway.address, long_prompt))
-            print(f"interference {name}: {report[name]}")
+            runs = []
+            for r in range(rounds):
+                long_prompt = text_of_tokens(tokenizer, 2000, 7 + r)
+                runs.append(asyncio.run(interference_run(s.gateway.address, long_prompt)))
+                print(f"interference {name} round {r + 1}: {runs[-1]}", flush=True)
+            report[name] = runs[0] if rounds == 1 else runs
     return report
 
 
@@ -243,6 +252,12 @@ def main() -> None:
     parser.add_argument("--only", choices=["shared-prefix", "interference", "overload"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--interference-rounds", type=int, default=1, help="rounds of interference per stack"
+    )
+    parser.add_argument(
+        "--no-stall-off", action="store_true", help="interference: skip --max-step-stall 0"
+    )
     args = parser.parse_args()
     path = default_model_path()
     if path is None:
@@ -255,7 +270,9 @@ def main() -> None:
         if args.only in (None, "shared-prefix"):
             report["shared_prefix"] = shared_prefix(tokenizer, Path(tmp), args.rounds)
         if args.only in (None, "interference"):
-            report["interference"] = interference(tokenizer, Path(tmp))
+            report["interference"] = interference(
+                tokenizer, Path(tmp), args.interference_rounds, not args.no_stall_off
+            )
         if args.only in (None, "overload"):
             report["overload"] = overload(Path(tmp))
     print(json.dumps(report, indent=2))

@@ -31,7 +31,7 @@ from canteen.batching import BatchConfig
 from canteen.finish import Finish
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
-from scheduler.cost import StepCostModel
+from scheduler.cost import StepCostModel, chunk_keys
 from scheduler.inflight import Ahead, Entry, InFlightSums
 from scheduler.kv import KVManager
 from scheduler.sequence import SeqEvent, Sequence, Status
@@ -185,8 +185,9 @@ class BatchScheduler:
         now = self._clock()
         since = None if self._last_result_at is None else now - self._last_result_at
         self._last_result_at = now
-        observe_step(self.cost, self.speculation, plan, result, since)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
+        keys = sum(chunk_keys(entries[i].num_tokens, s.num_computed) for i, s in current.items())
+        observe_step(self.cost, self.speculation, plan, result, since, keys)
         refused = {f.seq_id: f for f in result.failed}
         made = Counter(t.seq_id for t in result.tokens)
         for seq_id, seq in current.items():

@@ -21,6 +21,14 @@ only by ``max_batched_tokens``. Otherwise a burst that arrives over a few millis
 would be prefilled a chunk per step behind its own first part, and every stream of it
 that started late would finish that many steps late, in steps with fewer streams.
 
+Attention makes a prompt's late chunks dearer than its early ones: each of a chunk's tokens
+reads every key before it. So the model also fits a cost per key read, ``t = a + b * n + c *
+k`` (``k``: the keys the step's queries attend over, counted by the batcher), once steps with
+different key counts were seen, and sizes a chunk at the prompt's position: the largest chunk
+whose extra time stays within the bound. Its floor is the time ``min_chunk`` tokens of a
+fresh prompt take, so a late chunk may be smaller than ``min_chunk`` (one token at least: the
+prompt always progresses). Without a trusted key term the plain line sizes the chunk.
+
 Noise must not turn into a stall: a line that does not rise is not trusted, and the budget
 at most doubles from one step to the next, so one bad fit costs one step of twice the
 chunk, never a whole prompt at once.
@@ -28,10 +36,13 @@ chunk, never a whole prompt at once.
 
 from __future__ import annotations
 
+import math
+
 from scheduler.sequence import Sequence
 
 DECAY = 0.97  # weight kept by the sums per step: about the last 30 steps count
 MIN_SPREAD = 4.0  # tokens of standard deviation in n before the slope is trusted
+MIN_INDEPENDENCE = 0.1  # share of n's and k's variance not explained by each other
 
 
 class StepCostModel:
@@ -43,15 +54,44 @@ class StepCostModel:
         self.max_stall = max_stall
         self.min_chunk = min_chunk
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._k = self._kk = self._nk = self._kt = 0.0
         self._last_budget = min_chunk
+        self._key_fit: tuple[float, float, float] | None = None
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_keys: int = 0) -> None:
+        """One step's time: ``num_tokens`` computed, ``num_keys`` keys read by their queries."""
         d = DECAY
         self._w = self._w * d + 1
         self._n = self._n * d + num_tokens
         self._t = self._t * d + seconds
         self._nn = self._nn * d + num_tokens * num_tokens
         self._nt = self._nt * d + num_tokens * seconds
+        self._k = self._k * d + num_keys
+        self._kk = self._kk * d + num_keys * num_keys
+        self._nk = self._nk * d + num_tokens * num_keys
+        self._kt = self._kt * d + num_keys * seconds
+
+    def fit_keys(self) -> tuple[float, float, float] | None:
+        """(a, b, c) of t = a + b * n + c * k, or None while the key term is not trusted:
+        too few steps, key counts that barely vary or move in step with n, or a slope that
+        does not rise."""
+        if self._w < 3:
+            return None
+        w = self._w
+        mean_n, mean_k, mean_t = self._n / w, self._k / w, self._t / w
+        var_n = self._nn / w - mean_n * mean_n
+        var_k = self._kk / w - mean_k * mean_k
+        cov_nk = self._nk / w - mean_n * mean_k
+        det = var_n * var_k - cov_nk * cov_nk
+        if var_n < MIN_SPREAD**2 or var_k < MIN_SPREAD**2 or det < MIN_INDEPENDENCE * var_n * var_k:
+            return None
+        cov_nt = self._nt / w - mean_n * mean_t
+        cov_kt = self._kt / w - mean_k * mean_t
+        b = (cov_nt * var_k - cov_kt * cov_nk) / det
+        c = (cov_kt * var_n - cov_nt * cov_nk) / det
+        if b <= 0 or c <= 0:
+            return None
+        return max(mean_t - b * mean_n - c * mean_k, 0.0), b, c
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of t = a + b * n, or None until steps of different sizes were seen."""
@@ -67,16 +107,32 @@ class StepCostModel:
         return max(mean_t - slope * mean_n, 0.0), slope
 
     def prefill_budget(
-        self, num_decodes: int, num_waiting: int = 0, num_protected: int | None = None
+        self,
+        num_decodes: int,
+        num_waiting: int = 0,
+        num_protected: int | None = None,
+        position: int = 0,
+        decode_keys: int = 0,
     ) -> int:
         """Prefill tokens a step with ``num_decodes`` decodes may add within the stall bound,
         stretched by ``num_waiting / num_protected`` when more streams wait for prefill than
         the bound protects (``num_protected``: the decoding streams it holds prefill back
-        for; all of them by default)."""
+        for; all of them by default). ``position``: tokens of the prompt already computed,
+        ``decode_keys``: keys the decodes read (both count only with a trusted key term)."""
         protected = num_decodes if num_protected is None else num_protected
         ratio = max(1.0, num_waiting / protected) if protected else 1.0
         fitted = self.fit()
-        if fitted is None:
+        # Steps of one size for a while (late chunks all alike) make the key term
+        # unidentifiable, not different: the last trusted fit stands until a newer one.
+        with_keys = self._key_fit = self.fit_keys() or self._key_fit
+        if with_keys is not None:
+            a, b, c = with_keys
+            decode = a + b * num_decodes + c * decode_keys
+            extra = (self.max_stall * ratio - 1) * decode
+            floor = b * self.min_chunk + c * chunk_keys(self.min_chunk, 0)
+            budget = largest_chunk(max(extra, floor), b, c, position)
+            budget = min(budget, int(2 * ratio * self._last_budget))
+        elif fitted is None:
             budget = int(self.min_chunk * ratio)  # small probes until the line is known
         else:
             a, b = fitted
@@ -101,8 +157,28 @@ class StepCostModel:
             1 for s in decoding if s.first_token_tick is not None and s.first_token_tick <= latest
         )
         # Asked every step, so that the noise guard knows the last step's bound.
-        bound = self.prefill_budget(num_decodes, len(held), protected)
+        position = held[0].num_computed if held else 0
+        keys = sum(s.num_computed + 1 for s in decoding)
+        bound = self.prefill_budget(num_decodes, len(held), protected, position, keys)
         return bound if protected else UNBOUNDED
+
+
+def chunk_keys(num_tokens: int, position: int) -> int:
+    """Keys a chunk of ``num_tokens`` after ``position`` computed ones reads: each token
+    attends over every token before it and itself."""
+    return num_tokens * position + num_tokens * (num_tokens + 1) // 2
+
+
+def largest_chunk(seconds: float, b: float, c: float, position: int) -> int:
+    """The most tokens, at least one, a chunk after ``position`` computed ones may have for
+    ``b * n + c * chunk_keys(n, position) <= seconds``."""
+    linear = b + c * (position + 0.5)
+    n = int((-linear + math.sqrt(linear * linear + 2 * c * seconds)) / c)
+    while n > 1 and b * n + c * chunk_keys(n, position) > seconds:
+        n -= 1  # float rounding
+    while b * (n + 1) + c * chunk_keys(n + 1, position) <= seconds:
+        n += 1
+    return max(n, 1)
 
 
 UNBOUNDED = 1 << 62

@@ -14,14 +14,15 @@ def observe_step(
     plan: StepPlan,
     result: StepResult,
     since: float | None,
+    num_keys: int = 0,
 ) -> None:
     """Feeds the cost model and the speculation rule; ``since``: seconds since the previous
-    result arrived (None for the first)."""
+    result arrived (None for the first); ``num_keys``: keys the step's queries read."""
     if result.total_ns <= 0 or not plan.scheduled:
         return
     seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
     if cost is not None:
-        cost.observe(computed, seconds)
+        cost.observe(computed, seconds, num_keys)
     drafted = any(s.num_draft_tokens for s in plan.scheduled)
     speculation.observe(
         len(plan.scheduled) if plan.kind == "decode" else 0,
