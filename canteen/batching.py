@@ -42,7 +42,8 @@ class BatchConfig:
     )
     min_prefill_chunk: int = option(
         16,
-        "prefill tokens a step with decodes may always carry, so long prompts progress",
+        "prefill tokens a step with decodes may always carry, so long prompts progress (a "
+        "late chunk: as many as take the same time, one at least)",
         at_least(1),
     )
 
