@@ -2,7 +2,17 @@
 is first on PYTHONPATH, and prints one JSON line of timings (ms): a decode step at each
 --batches width (median of --steps steps after a warm-up) and the prefill of one --prompt
 token prompt in chunks of max_batched_tokens. It uses only the runner's public API, which
-both revisions share."""
+both revisions share.
+
+``--interference CHUNK`` instead times what bench/kv.py's interference scenario asks of the
+worker, in-process: 8 sequences decode while a --prompt token prompt is prefilled beside
+them in CHUNK-token chunks; it prints the decode-only steps' median (wall and process-CPU
+ms), then one JSON line per step with a chunk (its position, wall and CPU ms), so a step's
+cost can be read against its chunk's position. ``--repeat 2`` runs it twice (the second
+warm); ``--threads 1`` with ``OMP_NUM_THREADS=1`` makes CPU time one core's work, the figure
+that holds up on a loaded host. Example:
+``OMP_NUM_THREADS=1 python bench/step_probe.py --interference 16 --threads 1 --repeat 2``.
+"""
 
 from __future__ import annotations
 
@@ -64,6 +74,47 @@ def prefill_ms(runner: ModelRunner, prompt: int) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
+def interference_steps(runner: ModelRunner, prompt: int, chunk: int) -> list[dict[str, float]]:
+    """8 decodes per step; after 8 decode-only steps a ``prompt``-token prompt joins in
+    ``chunk``-token chunks. One record per step: position of the chunk (-1: none), ms."""
+    runner.reset()
+    per = runner.blocks_for(64 + prompt // chunk + 24)
+    seqs = tuple(
+        NewSequence(
+            f"s{i}",
+            tuple(range(10 + i, 42 + i)),
+            Sampling(0.0),
+            tuple(range(i * per, (i + 1) * per)),
+        )
+        for i in range(8)
+    )
+    runner.step(StepPlan(0, seqs, tuple(ScheduledSequence(s.seq_id, 32) for s in seqs)))
+    ids = tuple(100 + (i * 37) % 20000 for i in range(prompt))
+    first = 8 * per
+    long = NewSequence(
+        "p", ids, Sampling(0.0), tuple(range(first, first + runner.blocks_for(prompt + 1)))
+    )
+    records: list[dict[str, float]] = []
+    done, step = -8, 1
+    while done < prompt:
+        items = [ScheduledSequence(s.seq_id, 1) for s in seqs]
+        new: tuple[NewSequence, ...] = ()
+        n = min(chunk, prompt - done) if done >= 0 else 0
+        if n:
+            items.append(ScheduledSequence("p", n))
+            new = (long,) if done == 0 else ()
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = runner.step(StepPlan(step, new, tuple(items)))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if result.failed:
+            raise RuntimeError(f"step {step} refused: {result.failed}")
+        records.append(
+            {"pos": done if n else -1, "n": n, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3}
+        )
+        done, step = (done + n if n else done + 1), step + 1
+    return records
+
+
 def make_runner(loaded: LoadedModel, num_blocks: int) -> ModelRunner:
     """The runner as this tree builds it, or as revisions before RunnerConfig did (the base
     of bench/revisions.py may be either)."""
@@ -81,7 +132,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--interference", type=int, default=0, help="chunk size (see above)")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     dtype, _ = choose_dtype(args.dtype, device, args.quantization)
     loaded = load_model(
@@ -89,8 +145,22 @@ def main() -> None:
     )
     batches = [int(b) for b in args.batches.split(",")]
     num_blocks = max(max(batches) * 4, -(-args.prompt // BLOCK) + 2)
+    if args.interference:  # 8 decoding sequences beside the prompt
+        num_blocks += 8 * (-(-(64 + args.prompt // args.interference + 24) // BLOCK))
     runner = make_runner(loaded, num_blocks)
     out: dict[str, float] = {}
+    if args.interference:
+        with torch.inference_mode():
+            for _ in range(args.repeat):
+                records = interference_steps(runner, args.prompt, args.interference)
+                only = [r for r in records if r["n"] == 0]
+                decode = statistics.median(r["wall_ms"] for r in only)
+                cpu = statistics.median(r["cpu_ms"] for r in only)
+                print(json.dumps({"decode_only_median_ms": decode, "cpu_ms": cpu}))
+                for r in records:
+                    if r["n"]:
+                        print(json.dumps(r))
+        return
     with torch.inference_mode():
         prefill_ms(runner, 64)  # warm-up
         for batch in batches:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from canteen.batching import BatchConfig
 from canteen.finish import Finish
+from canteen.logging import get_logger
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
 from scheduler.cost import StepCostModel, chunk_keys
@@ -37,6 +38,8 @@ from scheduler.kv import KVManager
 from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
 from scheduler.timing import observe_step
+
+log = get_logger(__name__)
 
 
 class BatchScheduler:
@@ -167,7 +170,10 @@ class BatchScheduler:
         budget = self._run(decoding, budget, chosen, in_plan, grants, drafts)
         if chosen and self.cost is not None:
             held = [*prefilling, *self.waiting]
-            budget = min(budget, self.cost.budget(len(chosen), decoding, held, self._ticks))
+            at = self._ahead(held[0]).num_scheduled if held else 0  # chunks in flight too
+            bound = self.cost.budget(len(chosen), decoding, held, self._ticks, at)
+            log.debug("prefill bound", step_id=self.num_steps + 1, bound=bound, position=at)
+            budget = min(budget, bound)
         budget = self._run(prefilling, budget, chosen, in_plan)
         budget = self._admit(budget, chosen)
         drops, self._pending_drops = tuple(self._pending_drops), []

@@ -25,13 +25,21 @@ Attention makes a prompt's late chunks dearer than its early ones: each of a chu
 reads every key before it. So the model also fits a cost per key read, ``t = a + b * n + c *
 k`` (``k``: the keys the step's queries attend over, counted by the batcher), once steps with
 different key counts were seen, and sizes a chunk at the prompt's position: the largest chunk
-whose extra time stays within the bound. Its floor is the time ``min_chunk`` tokens of a
-fresh prompt take, so a late chunk may be smaller than ``min_chunk`` (one token at least: the
-prompt always progresses). Without a trusted key term the plain line sizes the chunk.
+whose extra time stays within the bound. Without a trusted key term the plain line sizes it.
 
-Noise must not turn into a stall: a line that does not rise is not trusted, and the budget
-at most doubles from one step to the next, so one bad fit costs one step of twice the
-chunk, never a whole prompt at once.
+``min_chunk`` is the probe: the chunk a step carries while its cost is not known yet. Once it
+is, the bound alone sizes the chunk, one token at least (the prompt always progresses). A
+floor of ``min_chunk`` tokens would break the bound by itself: on the AMD EPYC (Zen 4) of
+README, Speed (SmolLM2, bfloat16, one thread, ``bench/step_probe.py --interference 16``) 16
+fresh tokens add ~0.9x a decode step of 8 streams, and 16 tokens after 1,800 cached ones
+2.5-3.4x.
+
+Noise must not turn into a stall, nor into a prompt that stops progressing: a line that does
+not rise is not trusted; the budget at most doubles from one step to the next, so one bad
+fit costs one step of twice the chunk, never a whole prompt at once; and a step that took
+more than ``OUTLIER`` times what the model expects is not learned from unless the next ones
+agree (a busy host stalls single steps by 10x: that is not what the step costs, and a key
+term fitted to it would hold late chunks to a token a step).
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ from scheduler.sequence import Sequence
 DECAY = 0.97  # weight kept by the sums per step: about the last 30 steps count
 MIN_SPREAD = 4.0  # tokens of standard deviation in n before the slope is trusted
 MIN_INDEPENDENCE = 0.1  # share of n's and k's variance not explained by each other
+MIN_T = 2.0  # a key term within this many standard errors of zero is noise, not a cost
+OUTLIER = 3.0  # a step this many times slower than expected is suspect
+OUTLIER_RUN = 3  # ... unless this many in a row are: then the machine changed, learn them
 
 
 class StepCostModel:
@@ -55,11 +66,55 @@ class StepCostModel:
         self.min_chunk = min_chunk
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self._k = self._kk = self._nk = self._kt = 0.0
+        self._tt = self._ww = 0.0  # for the key term's standard error
         self._last_budget = min_chunk
-        self._key_fit: tuple[float, float, float] | None = None
+        self._slope: float | None = None  # b of the last trusted line
+        self._key_slopes: tuple[float, float] | None = None  # b, c of the last trusted fit
+        self._suspect: list[tuple[int, float, int]] = []
 
     def observe(self, num_tokens: int, seconds: float, num_keys: int = 0) -> None:
-        """One step's time: ``num_tokens`` computed, ``num_keys`` keys read by their queries."""
+        """One step's time: ``num_tokens`` computed, ``num_keys`` keys read by their queries.
+        A step over ``OUTLIER`` times its estimate waits until ``OUTLIER_RUN`` in a row."""
+        expected = self.estimate(num_tokens, num_keys)
+        if expected is None or seconds <= OUTLIER * expected:
+            self._suspect.clear()  # the suspects before a step like this one were spikes
+            self._learn(num_tokens, seconds, num_keys)
+            return
+        self._suspect.append((num_tokens, seconds, num_keys))
+        if len(self._suspect) >= OUTLIER_RUN:
+            for step in self._suspect:
+                self._learn(*step)
+            self._suspect.clear()
+
+    def estimate(self, num_tokens: int, num_keys: int = 0) -> float | None:
+        """Seconds a step of ``num_tokens`` over ``num_keys`` keys should take, or None while
+        no line is trusted."""
+        with_keys, line = self._fits()
+        if with_keys is not None:
+            a, b, c = with_keys
+            return a + b * num_tokens + c * num_keys
+        return None if line is None else line[0] + line[1] * num_tokens
+
+    def _fits(self) -> tuple[tuple[float, float, float] | None, tuple[float, float] | None]:
+        """The key fit and the plain line to size chunks by. Steps of one size for a while
+        (decode only, or late chunks all alike) make a slope unidentifiable, not different:
+        the last trusted slopes stand, with the intercept the recent steps' mean time gives."""
+        (with_keys, identified), line = self._solve_keys(), self.fit()
+        if with_keys is not None:
+            self._key_slopes = with_keys[1:]
+        elif identified:
+            self._key_slopes = None  # the steps had the spread, and show no key term
+        elif self._key_slopes is not None:
+            b, c = self._key_slopes
+            a = (self._t - b * self._n - c * self._k) / self._w
+            with_keys = max(a, 0.0), b, c
+        if line is not None:
+            self._slope = line[1]
+        elif self._slope is not None:
+            line = max((self._t - self._slope * self._n) / self._w, 0.0), self._slope
+        return with_keys, line
+
+    def _learn(self, num_tokens: int, seconds: float, num_keys: int) -> None:
         d = DECAY
         self._w = self._w * d + 1
         self._n = self._n * d + num_tokens
@@ -70,13 +125,20 @@ class StepCostModel:
         self._kk = self._kk * d + num_keys * num_keys
         self._nk = self._nk * d + num_tokens * num_keys
         self._kt = self._kt * d + num_keys * seconds
+        self._tt = self._tt * d + seconds * seconds
+        self._ww = self._ww * d * d + 1
 
     def fit_keys(self) -> tuple[float, float, float] | None:
         """(a, b, c) of t = a + b * n + c * k, or None while the key term is not trusted:
-        too few steps, key counts that barely vary or move in step with n, or a slope that
-        does not rise."""
+        too few steps, key counts that barely vary or move in step with n, a slope that
+        does not rise, or a key term within ``MIN_T`` standard errors of zero."""
+        return self._solve_keys()[0]
+
+    def _solve_keys(self) -> tuple[tuple[float, float, float] | None, bool]:
+        """The key fit, and whether the steps had the spread to identify it at all (a fit
+        refused with it says there is no key term; one refused without it says nothing)."""
         if self._w < 3:
-            return None
+            return None, False
         w = self._w
         mean_n, mean_k, mean_t = self._n / w, self._k / w, self._t / w
         var_n = self._nn / w - mean_n * mean_n
@@ -84,14 +146,18 @@ class StepCostModel:
         cov_nk = self._nk / w - mean_n * mean_k
         det = var_n * var_k - cov_nk * cov_nk
         if var_n < MIN_SPREAD**2 or var_k < MIN_SPREAD**2 or det < MIN_INDEPENDENCE * var_n * var_k:
-            return None
+            return None, False
         cov_nt = self._nt / w - mean_n * mean_t
         cov_kt = self._kt / w - mean_k * mean_t
         b = (cov_nt * var_k - cov_kt * cov_nk) / det
         c = (cov_kt * var_n - cov_nt * cov_nk) / det
-        if b <= 0 or c <= 0:
-            return None
-        return max(mean_t - b * mean_n - c * mean_k, 0.0), b, c
+        # least squares' standard error of c over the decayed steps (w^2 / ww of them)
+        residual = max(self._tt / w - mean_t * mean_t - b * cov_nt - c * cov_kt, 0.0)
+        num_steps = w * w / self._ww
+        stderr = math.sqrt(residual * var_n / (det * max(num_steps - 3, 1.0)))
+        if b <= 0 or c <= MIN_T * stderr:
+            return None, True
+        return (max(mean_t - b * mean_n - c * mean_k, 0.0), b, c), True
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of t = a + b * n, or None until steps of different sizes were seen."""
@@ -121,33 +187,35 @@ class StepCostModel:
         ``decode_keys``: keys the decodes read (both count only with a trusted key term)."""
         protected = num_decodes if num_protected is None else num_protected
         ratio = max(1.0, num_waiting / protected) if protected else 1.0
-        fitted = self.fit()
-        # Steps of one size for a while (late chunks all alike) make the key term
-        # unidentifiable, not different: the last trusted fit stands until a newer one.
-        with_keys = self._key_fit = self.fit_keys() or self._key_fit
+        with_keys, fitted = self._fits()
         if with_keys is not None:
             a, b, c = with_keys
             decode = a + b * num_decodes + c * decode_keys
             extra = (self.max_stall * ratio - 1) * decode
-            floor = b * self.min_chunk + c * chunk_keys(self.min_chunk, 0)
-            budget = largest_chunk(max(extra, floor), b, c, position)
+            budget = largest_chunk(extra, b, c, position)
             budget = min(budget, int(2 * ratio * self._last_budget))
         elif fitted is None:
             budget = int(self.min_chunk * ratio)  # small probes until the line is known
         else:
             a, b = fitted
             target = self.max_stall * ratio * (a + b * num_decodes)
-            budget = max(int((target - a) / b) - num_decodes, self.min_chunk)
+            budget = max(int((target - a) / b) - num_decodes, 1)
             budget = min(budget, int(2 * ratio * self._last_budget))
         # Noise may at most double the budget of the last step, whatever the ratio was.
         self._last_budget = max(int(budget / ratio), self.min_chunk)
         return budget
 
     def budget(
-        self, num_decodes: int, decoding: list[Sequence], held: list[Sequence], tick: int
+        self,
+        num_decodes: int,
+        decoding: list[Sequence],
+        held: list[Sequence],
+        tick: int,
+        position: int = 0,
     ) -> int:
         """The prefill budget of a step with ``num_decodes`` decodes, next to the
-        ``decoding`` streams, for the ``held`` prompts (``tick``: results applied so far).
+        ``decoding`` streams, for the ``held`` prompts (``tick``: results applied so far;
+        ``position``: tokens of the first held prompt computed or in flight).
         Prompts are held back only for the streams that were streaming when the latest of
         them arrived: streams that started after (the first part of a burst, admitted a
         step before the rest) have no claim to be spared their prefill, so with none of the
@@ -157,7 +225,6 @@ class StepCostModel:
             1 for s in decoding if s.first_token_tick is not None and s.first_token_tick <= latest
         )
         # Asked every step, so that the noise guard knows the last step's bound.
-        position = held[0].num_computed if held else 0
         keys = sum(s.num_computed + 1 for s in decoding)
         bound = self.prefill_budget(num_decodes, len(held), protected, position, keys)
         return bound if protected else UNBOUNDED

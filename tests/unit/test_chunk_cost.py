@@ -3,6 +3,8 @@ before them, so the stall bound sizes them by position (scheduler/cost.py)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from canteen.batching import BatchConfig
@@ -52,16 +54,52 @@ def test_a_late_chunk_is_smaller_than_an_early_one() -> None:
     assert model.prefill_budget(8, position=1900, decode_keys=800) == 14
 
 
-def test_the_floor_is_the_cost_of_min_chunk_fresh_tokens() -> None:
-    model = StepCostModel(max_stall=1.0, min_chunk=16)  # no room beyond the decodes at all
+def taught_at(max_stall: float) -> StepCostModel:
+    model = StepCostModel(max_stall=max_stall, min_chunk=16)
     for n, k in [(8, 800), (24, 1500), (8, 820), (40, 9000), (8, 840), (24, 30000), (72, 4000)]:
         model.observe(n, seconds(n, k), k)
-    # 16 fresh tokens: 32 ms + 136 keys = 32.136 ms, the time any step may add.
-    assert model.prefill_budget(8, position=0, decode_keys=800) == 16
-    # After 1,900 tokens that buys 8: 16 ms + 15,236 keys = 31.236 ms; 9 would be 35.2 ms.
-    assert model.prefill_budget(8, position=1900, decode_keys=800) == 8
+    return model
+
+
+def test_the_default_bound_sizes_chunks_by_position() -> None:
+    model = taught_at(1.5)  # the shipped --max-step-stall
+    # 8 decodes over 800 keys take 56.8 ms, so a chunk may add half of that: 28.4 ms.
+    # At position 0, 14 tokens: 28 ms + 105 keys = 28.105 ms; 15 would be 30.12 ms.
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 14
+    # After 1,900 tokens, 7: 14 ms + 13,328 keys = 27.3 ms; 8 would be 31.2 ms. Fewer than
+    # min_chunk (16): its 16 fresh tokens alone (32.1 ms) would break the bound.
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
+
+
+def test_once_the_cost_is_known_the_floor_is_one_token() -> None:
+    model = taught_at(1.0)  # no room beyond the decodes at all
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 1
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 1
     # However late, a prompt progresses by a token a step.
     assert largest_chunk(0.0, B, C, 10**6) == 1
+
+
+def test_one_step_slowed_by_the_host_is_not_learned() -> None:
+    model = taught_at(1.5)
+    fitted = model.fit_keys()
+    model.observe(8, 10 * seconds(8, 800), 800)  # another process took the cores
+    assert model.fit_keys() == fitted
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
+    # Three in a row: the machine is slower now, and the model follows it.
+    model.observe(8, 10 * seconds(8, 800), 800)
+    model.observe(8, 10 * seconds(8, 800), 800)
+    assert model.fit_keys() != fitted
+
+
+def test_decode_only_steps_do_not_forget_the_learned_slopes() -> None:
+    """A long stretch of decode-only steps leaves no spread to fit a slope to; the next
+    prompt is still sized by the slopes learned before, not probed at min_chunk again."""
+    model = taught_at(1.5)
+    for _ in range(200):
+        model.observe(8, seconds(8, 800), 800)
+    assert model.fit_keys() is None and model.fit() is None
+    assert model.estimate(8, 800) == pytest.approx(seconds(8, 800))
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
 
 
 def test_keys_that_move_with_the_tokens_leave_the_plain_line() -> None:
@@ -128,3 +166,21 @@ def test_a_long_prompt_keeps_late_steps_within_the_bound() -> None:
         C = saved
     assert long.output_ids == expected_tokens(long.prompt_ids, 4)
     assert streams[0].output_ids == expected_tokens(streams[0].prompt_ids, 200)
+
+
+def test_jitter_is_not_taken_for_a_key_term() -> None:
+    """Steps whose time has no key term but 20% jitter (a tiny model, a busy host): the
+    key term is within its standard error of zero, so the plain line sizes late chunks
+    instead of a spurious cost per key holding them to a token a step."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    jitter = random.Random(7)
+    for i in range(60):
+        n, k = (24, 800 + 400 * i) if i % 2 else (8, 800 + 8 * i)
+        model.observe(n, (A + B * n) * jitter.uniform(0.8, 1.2), k)
+    assert model.fit_keys() is None
+    line = model.fit()
+    assert line is not None
+    a, b = line
+    plain = int((1.5 * (a + 8 * b) - a) / b) - 8
+    assert plain >= 8
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == min(plain, 32)
