@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -82,10 +83,9 @@ async def traced(
 def text_of_tokens(tokenizer: object, num_tokens: int, seed: int) -> str:
     """Plain words that tokenize to about ``num_tokens`` tokens."""
     words: list[str] = []
-    i = seed
+    pick = random.Random(seed)  # (i * 7 + k) % 28 repeated every 4 seeds: cached prompts
     while len(tokenizer.encode(" ".join(words))) < num_tokens:  # type: ignore[attr-defined]
-        words.extend(WORDS[(i * 7 + k) % len(WORDS)] for k in range(8))
-        i += 1
+        words.extend(pick.choice(WORDS) for _ in range(8))
     while len(tokenizer.encode(" ".join(words))) > num_tokens:  # type: ignore[attr-defined]
         words.pop()
     return " ".join(words)

@@ -97,14 +97,18 @@ class StepCostModel:
 
     def _fits(self) -> tuple[tuple[float, float, float] | None, tuple[float, float] | None]:
         """The key fit and the plain line to size chunks by. Steps of one size for a while
-        (decode only, or late chunks all alike) make a slope unidentifiable, not different:
-        the last trusted slopes stand, with the intercept the recent steps' mean time gives."""
-        (with_keys, identified), line = self._solve_keys(), self.fit()
+        (decode only, or late chunks all alike) make a slope unidentifiable, and noise may
+        hide a key term that is there (a busy host): neither says the cost changed, so the
+        last trusted slopes stand, with the intercept the recent steps' mean time gives,
+        until the steps rule their key term out (falling back to the plain line, blind to
+        keys, let late chunks double to 288 tokens, a 2.5 s step, on the loaded Zen 4)."""
+        (with_keys, plausible), line = self._solve_keys(), self.fit()
         if with_keys is not None:
             self._key_slopes = with_keys[1:]
-        elif identified:
-            self._key_slopes = None  # the steps had the spread, and show no key term
-        elif self._key_slopes is not None:
+        elif self._key_slopes is not None and plausible is not None:
+            if self._key_slopes[1] > plausible:
+                self._key_slopes = None  # the steps now rule it out: it was noise
+        if with_keys is None and self._key_slopes is not None:
             b, c = self._key_slopes
             a = (self._t - b * self._n - c * self._k) / self._w
             with_keys = max(a, 0.0), b, c
@@ -134,11 +138,11 @@ class StepCostModel:
         does not rise, or a key term within ``MIN_T`` standard errors of zero."""
         return self._solve_keys()[0]
 
-    def _solve_keys(self) -> tuple[tuple[float, float, float] | None, bool]:
-        """The key fit, and whether the steps had the spread to identify it at all (a fit
-        refused with it says there is no key term; one refused without it says nothing)."""
+    def _solve_keys(self) -> tuple[tuple[float, float, float] | None, float | None]:
+        """The key fit, and the largest cost per key the steps leave plausible (the fit's
+        c plus ``MIN_T`` standard errors; None where the steps cannot tell)."""
         if self._w < 3:
-            return None, False
+            return None, None
         w = self._w
         mean_n, mean_k, mean_t = self._n / w, self._k / w, self._t / w
         var_n = self._nn / w - mean_n * mean_n
@@ -146,7 +150,7 @@ class StepCostModel:
         cov_nk = self._nk / w - mean_n * mean_k
         det = var_n * var_k - cov_nk * cov_nk
         if var_n < MIN_SPREAD**2 or var_k < MIN_SPREAD**2 or det < MIN_INDEPENDENCE * var_n * var_k:
-            return None, False
+            return None, None
         cov_nt = self._nt / w - mean_n * mean_t
         cov_kt = self._kt / w - mean_k * mean_t
         b = (cov_nt * var_k - cov_kt * cov_nk) / det
@@ -156,8 +160,8 @@ class StepCostModel:
         num_steps = w * w / self._ww
         stderr = math.sqrt(residual * var_n / (det * max(num_steps - 3, 1.0)))
         if b <= 0 or c <= MIN_T * stderr:
-            return None, True
-        return (max(mean_t - b * mean_n - c * mean_k, 0.0), b, c), True
+            return None, c + MIN_T * stderr
+        return (max(mean_t - b * mean_n - c * mean_k, 0.0), b, c), c + MIN_T * stderr
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of t = a + b * n, or None until steps of different sizes were seen."""
