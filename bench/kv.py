@@ -5,20 +5,24 @@
                  throughput (rounds alternate; each round uses a fresh system prompt)
   interference   8 streams decode; a 2,000-token prompt arrives: the streams' worst
                  inter-token gap against their median gap before it, with --max-step-stall
-                 1.5 (the default) vs 0 (only --max-batched-tokens bounds a step)
+                 1.5 (the default) vs 0 (only --max-batched-tokens bounds a step); both
+                 stacks warmed with a long prompt first, rounds alternate the sides
   overload       10x more concurrent requests than fit the pool: errors, preemptions, and
                  the worker's peak RSS against the budget it reports
 
 Usage: python bench/kv.py [--only shared-prefix|interference|overload] [--rounds 2]
-                          [--json out.json]
+                          [--interference-rounds 1] [--no-stall-off] [--json out.json]
+                          [--workdir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -79,10 +83,9 @@ async def traced(
 def text_of_tokens(tokenizer: object, num_tokens: int, seed: int) -> str:
     """Plain words that tokenize to about ``num_tokens`` tokens."""
     words: list[str] = []
-    i = seed
+    pick = random.Random(seed)  # (i * 7 + k) % 28 repeated every 4 seeds: cached prompts
     while len(tokenizer.encode(" ".join(words))) < num_tokens:  # type: ignore[attr-defined]
-        words.extend(WORDS[(i * 7 + k) % len(WORDS)] for k in range(8))
-        i += 1
+        words.extend(pick.choice(WORDS) for _ in range(8))
     while len(tokenizer.encode(" ".join(words))) > num_tokens:  # type: ignore[attr-defined]
         words.pop()
     return " ".join(words)
@@ -176,16 +179,35 @@ async def interference_run(address: str, long_prompt: str) -> dict[str, float]:
     }
 
 
-def interference(tokenizer: object, tmp: Path) -> dict[str, object]:
-    long_prompt = text_of_tokens(tokenizer, 2000, 7)
-    report: dict[str, object] = {}
+def interference(
+    tokenizer: object, tmp: Path, rounds: int = 1, stall_off: bool = True
+) -> dict[str, object]:
+    """Both stacks run at once; each is warmed first with a 2,000-token prompt of its own
+    (seed 99, which no round uses), so its scheduler has learned the step cost of late
+    chunks before the first round. Each round sends both sides the same fresh long prompt
+    (seeded by the round: nothing cached on either side) and alternates which side goes
+    first; rounds are reported in the order they ran."""
     worker = [*THREADS, "--kv-cache-memory", "512MiB"]
-    for name, args in (("stall_default", []), ("stall_off", ["--max-step-stall", "0"])):
-        with default_model_stack(tmp / name, args, worker) as s:
-            asyncio.run(interference_run(s.gateway.address, "warm up " * 20))
-            report[name] = asyncio.run(interference_run(s.gateway.address, long_prompt))
-            print(f"interference {name}: {report[name]}")
-    return report
+    variants: list[tuple[str, list[str]]] = [("stall_default", [])]
+    if stall_off:
+        variants.append(("stall_off", ["--max-step-stall", "0"]))
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
+    with contextlib.ExitStack() as stacks:
+        sides = [
+            (name, stacks.enter_context(default_model_stack(tmp / name, args, worker)))
+            for name, args in variants
+        ]
+        warm = text_of_tokens(tokenizer, 2000, 99)
+        for name, s in sides:
+            warmed = asyncio.run(interference_run(s.gateway.address, warm))
+            print(f"interference {name} warm-up: {warmed}", flush=True)
+        for r in range(rounds):
+            long_prompt = text_of_tokens(tokenizer, 2000, 7 + r)
+            for name, s in sides if r % 2 == 0 else sides[::-1]:
+                run = asyncio.run(interference_run(s.gateway.address, long_prompt))
+                runs[name].append({"round": r + 1, **run})
+                print(f"interference {name} round {r + 1}: {run}", flush=True)
+    return {name: got[0] if rounds == 1 else got for name, got in runs.items()}
 
 
 # -- overload -------------------------------------------------------------------------------
@@ -243,6 +265,18 @@ def main() -> None:
     parser.add_argument("--only", choices=["shared-prefix", "interference", "overload"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--interference-rounds", type=int, default=1, help="rounds of interference per stack"
+    )
+    parser.add_argument(
+        "--no-stall-off", action="store_true", help="interference: skip --max-step-stall 0"
+    )
+    parser.add_argument(
+        "--workdir",
+        default="",
+        help="keep the services' logs here (with CANTEEN_TEST_LOG_LEVEL=DEBUG the scheduler "
+        "logs each step's tokens, estimate and time); default: a temporary folder",
+    )
     args = parser.parse_args()
     path = default_model_path()
     if path is None:
@@ -251,11 +285,14 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     report: dict[str, object] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as kept:
+        tmp = args.workdir or kept.enter_context(tempfile.TemporaryDirectory())
         if args.only in (None, "shared-prefix"):
             report["shared_prefix"] = shared_prefix(tokenizer, Path(tmp), args.rounds)
         if args.only in (None, "interference"):
-            report["interference"] = interference(tokenizer, Path(tmp))
+            report["interference"] = interference(
+                tokenizer, Path(tmp), args.interference_rounds, not args.no_stall_off
+            )
         if args.only in (None, "overload"):
             report["overload"] = overload(Path(tmp))
     print(json.dumps(report, indent=2))

@@ -2,7 +2,20 @@
 is first on PYTHONPATH, and prints one JSON line of timings (ms): a decode step at each
 --batches width (median of --steps steps after a warm-up) and the prefill of one --prompt
 token prompt in chunks of max_batched_tokens. It uses only the runner's public API, which
-both revisions share."""
+both revisions share.
+
+``--interference CHUNK`` instead times what bench/kv.py's interference scenario asks of the
+worker, in-process: 8 sequences decode while a --prompt token prompt is prefilled beside
+them in CHUNK-token chunks, or (``--interference 0``) in chunks that the scheduler's cost
+model (scheduler/cost.py, --max-step-stall 1.5) sizes from these steps' CPU times. It prints
+the decode-only steps' median and the worst (and 90th percentile) step with a chunk over it,
+in process-CPU time, and with ``--verbose`` one JSON line per step with a chunk (its
+position, wall and CPU ms), so a step's cost can be read against its chunk's position.
+``--repeat 2`` runs it twice (the second warm, the cost model keeps what it learned);
+``--threads 1`` with ``OMP_NUM_THREADS=1`` makes CPU time one core's work, the figure that
+holds up on a loaded host. Example:
+``OMP_NUM_THREADS=1 python bench/step_probe.py --interference 16 --threads 1 --repeat 2``.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +28,7 @@ import torch
 
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
+from scheduler.cost import StepCostModel, chunk_keys
 
 try:
     from worker.engine.runner import ModelRunner
@@ -64,6 +78,59 @@ def prefill_ms(runner: ModelRunner, prompt: int) -> float:
     return (time.perf_counter() - started) * 1e3
 
 
+def stream_tokens(prompt: int, chunk: int) -> int:
+    """Tokens each decoding stream may reach while the prompt is prefilled (chunk 0: sized
+    by the cost model, one token a step at worst)."""
+    return 64 + (prompt // chunk if chunk else prompt) + 24
+
+
+def interference_steps(
+    runner: ModelRunner, prompt: int, chunk: int, cost: StepCostModel
+) -> list[dict[str, float]]:
+    """8 decodes per step; after 8 decode-only steps a ``prompt``-token prompt joins in
+    ``chunk``-token chunks, or (chunk 0) in chunks the scheduler's cost model sizes from
+    these steps' CPU times. One record per step: the chunk's position (-1: none), ms."""
+    runner.reset()
+    per = runner.blocks_for(stream_tokens(prompt, chunk))
+    seqs = tuple(
+        NewSequence(
+            f"s{i}",
+            tuple(range(10 + i, 42 + i)),
+            Sampling(0.0),
+            tuple(range(i * per, (i + 1) * per)),
+        )
+        for i in range(8)
+    )
+    runner.step(StepPlan(0, seqs, tuple(ScheduledSequence(s.seq_id, 32) for s in seqs)))
+    ids = tuple(100 + (i * 37) % 20000 for i in range(prompt))
+    first = 8 * per
+    long = NewSequence(
+        "p", ids, Sampling(0.0), tuple(range(first, first + runner.blocks_for(prompt + 1)))
+    )
+    records: list[dict[str, float]] = []
+    done, step, context = -8, 1, 32
+    while done < prompt:
+        items = [ScheduledSequence(s.seq_id, 1) for s in seqs]
+        new: tuple[NewSequence, ...] = ()
+        decode_keys = 8 * (context + 1)
+        size = chunk or cost.prefill_budget(8, 1, 8, max(done, 0), decode_keys)
+        n = min(size, prompt - done) if done >= 0 else 0
+        if n:
+            items.append(ScheduledSequence("p", n))
+            new = (long,) if done == 0 else ()
+        wall, cpu = time.perf_counter(), time.process_time()
+        result = runner.step(StepPlan(step, new, tuple(items)))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        if result.failed:
+            raise RuntimeError(f"step {step} refused: {result.failed}")
+        cost.observe(8 + n, cpu, decode_keys + chunk_keys(n, max(done, 0)))
+        records.append(
+            {"pos": done if n else -1, "n": n, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3}
+        )
+        done, step, context = (done + n if n else done + 1), step + 1, context + 1
+    return records
+
+
 def make_runner(loaded: LoadedModel, num_blocks: int) -> ModelRunner:
     """The runner as this tree builds it, or as revisions before RunnerConfig did (the base
     of bench/revisions.py may be either)."""
@@ -81,7 +148,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--interference", type=int, help="chunk size, 0: sized by the cost model (see above)"
+    )
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--verbose", action="store_true", help="--interference: every step")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     dtype, _ = choose_dtype(args.dtype, device, args.quantization)
     loaded = load_model(
@@ -89,8 +164,36 @@ def main() -> None:
     )
     batches = [int(b) for b in args.batches.split(",")]
     num_blocks = max(max(batches) * 4, -(-args.prompt // BLOCK) + 2)
+    if args.interference is not None:  # 8 decoding sequences beside the prompt
+        num_blocks += 8 * (-(-stream_tokens(args.prompt, args.interference) // BLOCK))
     runner = make_runner(loaded, num_blocks)
     out: dict[str, float] = {}
+    if args.interference is not None:
+        cost = StepCostModel(max_stall=1.5, min_chunk=16)  # the scheduler's defaults
+        with torch.inference_mode():
+            for _ in range(args.repeat):
+                records = interference_steps(runner, args.prompt, args.interference, cost)
+                only = [r["cpu_ms"] for r in records if r["n"] == 0]
+                chunks = [r["cpu_ms"] for r in records if r["n"]]
+                decode = statistics.median(only)
+                print(
+                    json.dumps(
+                        {
+                            "decode_only_median_wall_ms": statistics.median(
+                                r["wall_ms"] for r in records if r["n"] == 0
+                            ),
+                            "decode_only_median_cpu_ms": decode,
+                            "steps_with_a_chunk": len(chunks),
+                            "worst_chunk_step_cpu_over_decode": max(chunks) / decode,
+                            "p90_chunk_step_cpu_over_decode": sorted(chunks)[len(chunks) * 9 // 10]
+                            / decode,
+                        }
+                    )
+                )
+                for r in records:
+                    if r["n"] and args.verbose:
+                        print(json.dumps(r))
+        return
     with torch.inference_mode():
         prefill_ms(runner, 64)  # warm-up
         for batch in batches:

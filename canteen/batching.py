@@ -42,7 +42,8 @@ class BatchConfig:
     )
     min_prefill_chunk: int = option(
         16,
-        "prefill tokens a step with decodes may always carry, so long prompts progress",
+        "prefill tokens a step with decodes carries while the worker's step cost is not "
+        "learned yet; after that max_step_stall sizes chunks (one token at least)",
         at_least(1),
     )
 

@@ -31,9 +31,10 @@ from collections.abc import Callable
 
 from canteen.batching import BatchConfig
 from canteen.finish import Finish
+from canteen.logging import get_logger
 from canteen.plan import NewSequence, SampledToken, ScheduledSequence, StepPlan, StepResult
 from scheduler.blocks import BlockPool
-from scheduler.cost import StepCostModel
+from scheduler.cost import StepCostModel, chunk_keys
 from scheduler.inflight import Ahead, Entry, InFlightSums
 from scheduler.kv import KVManager
 from scheduler.lora import adapter_load_tokens, admissible_waiting
@@ -41,6 +42,8 @@ from scheduler.sequence import SeqEvent, Sequence, Status
 from scheduler.speculation import SpeculationPolicy
 from scheduler.tiers import TierIndex
 from scheduler.timing import observe_step
+
+log = get_logger(__name__)
 
 
 class BatchScheduler:
@@ -179,7 +182,10 @@ class BatchScheduler:
         budget = self._run(decoding, budget, chosen, in_plan, grants, drafts)
         if chosen and self.cost is not None:
             held = [*prefilling, *self.waiting]
-            budget = min(budget, self.cost.budget(len(chosen), decoding, held, self._ticks))
+            at = self._ahead(held[0]).num_scheduled if held else 0  # chunks in flight too
+            bound = self.cost.budget(len(chosen), decoding, held, self._ticks, at)
+            log.debug("prefill bound", step_id=self.num_steps + 1, bound=bound, position=at)
+            budget = min(budget, bound)
         budget = self._run(prefilling, budget, chosen, in_plan)
         budget = self._admit(budget, chosen)
         drops, self._pending_drops = tuple(self._pending_drops), []
@@ -199,8 +205,9 @@ class BatchScheduler:
         now = self._clock()
         since = None if self._last_result_at is None else now - self._last_result_at
         self._last_result_at = now
-        observe_step(self.cost, self.speculation, plan, result, since)
         current = {i: e.seq for i, e in entries.items() if e.is_current}
+        keys = sum(chunk_keys(entries[i].num_tokens, s.num_computed) for i, s in current.items())
+        observe_step(self.cost, self.speculation, plan, result, since, keys)
         refused = {f.seq_id: f for f in result.failed}
         retry = self.kv.settle(result, current, set(refused))
         made = Counter(t.seq_id for t in result.tokens)

@@ -21,17 +21,39 @@ only by ``max_batched_tokens``. Otherwise a burst that arrives over a few millis
 would be prefilled a chunk per step behind its own first part, and every stream of it
 that started late would finish that many steps late, in steps with fewer streams.
 
-Noise must not turn into a stall: a line that does not rise is not trusted, and the budget
-at most doubles from one step to the next, so one bad fit costs one step of twice the
-chunk, never a whole prompt at once.
+Attention makes a prompt's late chunks dearer than its early ones: each of a chunk's tokens
+reads every key before it. So the model also fits a cost per key read, ``t = a + b * n + c *
+k`` (``k``: the keys the step's queries attend over, counted by the batcher), once steps with
+different key counts were seen, and sizes a chunk at the prompt's position: the largest chunk
+whose extra time stays within the bound. Without a trusted key term the plain line sizes it.
+
+``min_chunk`` is the probe: the chunk a step carries while its cost is not known yet. Once it
+is, the bound alone sizes the chunk, one token at least (the prompt always progresses). A
+floor of ``min_chunk`` tokens would break the bound by itself: on the AMD EPYC (Zen 4) of
+README, Speed (SmolLM2, bfloat16, one thread, ``bench/step_probe.py --interference 16``) 16
+fresh tokens add ~0.9x a decode step of 8 streams, and 16 tokens after 1,800 cached ones
+2.5-3.4x.
+
+Noise must not turn into a stall, nor into a prompt that stops progressing: a line that does
+not rise is not trusted; the budget at most doubles from one step to the next, so one bad
+fit costs one step of twice the chunk, never a whole prompt at once; and a step that took
+more than ``OUTLIER`` times what the model expects is not learned from unless the next ones
+agree (a busy host stalls single steps by 10x: that is not what the step costs, and a key
+term fitted to it would hold late chunks to a token a step).
 """
 
 from __future__ import annotations
+
+import math
 
 from scheduler.sequence import Sequence
 
 DECAY = 0.97  # weight kept by the sums per step: about the last 30 steps count
 MIN_SPREAD = 4.0  # tokens of standard deviation in n before the slope is trusted
+MIN_INDEPENDENCE = 0.1  # share of n's and k's variance not explained by each other
+MIN_T = 2.0  # a key term within this many standard errors of zero is noise, not a cost
+OUTLIER = 3.0  # a step this many times slower than expected is suspect
+OUTLIER_RUN = 3  # ... unless this many in a row are: then the machine changed, learn them
 
 
 class StepCostModel:
@@ -43,15 +65,103 @@ class StepCostModel:
         self.max_stall = max_stall
         self.min_chunk = min_chunk
         self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._k = self._kk = self._nk = self._kt = 0.0
+        self._tt = self._ww = 0.0  # for the key term's standard error
         self._last_budget = min_chunk
+        self._slope: float | None = None  # b of the last trusted line
+        self._key_slopes: tuple[float, float] | None = None  # b, c of the last trusted fit
+        self._suspect: list[tuple[int, float, int]] = []
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, seconds: float, num_keys: int = 0) -> None:
+        """One step's time: ``num_tokens`` computed, ``num_keys`` keys read by their queries.
+        A step over ``OUTLIER`` times its estimate waits until ``OUTLIER_RUN`` in a row."""
+        expected = self.estimate(num_tokens, num_keys)
+        if expected is None or seconds <= OUTLIER * expected:
+            self._suspect.clear()  # the suspects before a step like this one were spikes
+            self._learn(num_tokens, seconds, num_keys)
+            return
+        self._suspect.append((num_tokens, seconds, num_keys))
+        if len(self._suspect) >= OUTLIER_RUN:
+            for step in self._suspect:
+                self._learn(*step)
+            self._suspect.clear()
+
+    def estimate(self, num_tokens: int, num_keys: int = 0) -> float | None:
+        """Seconds a step of ``num_tokens`` over ``num_keys`` keys should take, or None while
+        no line is trusted."""
+        with_keys, line = self._fits()
+        if with_keys is not None:
+            a, b, c = with_keys
+            return a + b * num_tokens + c * num_keys
+        return None if line is None else line[0] + line[1] * num_tokens
+
+    def _fits(self) -> tuple[tuple[float, float, float] | None, tuple[float, float] | None]:
+        """The key fit and the plain line to size chunks by. Steps of one size for a while
+        (decode only, or late chunks all alike) make a slope unidentifiable, and noise may
+        hide a key term that is there (a busy host): neither says the cost changed, so the
+        last trusted slopes stand, with the intercept the recent steps' mean time gives,
+        until the steps rule their key term out (falling back to the plain line, blind to
+        keys, let late chunks double to 288 tokens, a 2.5 s step, on the loaded Zen 4)."""
+        (with_keys, plausible), line = self._solve_keys(), self.fit()
+        if with_keys is not None:
+            self._key_slopes = with_keys[1:]
+        elif self._key_slopes is not None and plausible is not None:
+            if self._key_slopes[1] > plausible:
+                self._key_slopes = None  # the steps now rule it out: it was noise
+        if with_keys is None and self._key_slopes is not None:
+            b, c = self._key_slopes
+            a = (self._t - b * self._n - c * self._k) / self._w
+            with_keys = max(a, 0.0), b, c
+        if line is not None:
+            self._slope = line[1]
+        elif self._slope is not None:
+            line = max((self._t - self._slope * self._n) / self._w, 0.0), self._slope
+        return with_keys, line
+
+    def _learn(self, num_tokens: int, seconds: float, num_keys: int) -> None:
         d = DECAY
         self._w = self._w * d + 1
         self._n = self._n * d + num_tokens
         self._t = self._t * d + seconds
         self._nn = self._nn * d + num_tokens * num_tokens
         self._nt = self._nt * d + num_tokens * seconds
+        self._k = self._k * d + num_keys
+        self._kk = self._kk * d + num_keys * num_keys
+        self._nk = self._nk * d + num_tokens * num_keys
+        self._kt = self._kt * d + num_keys * seconds
+        self._tt = self._tt * d + seconds * seconds
+        self._ww = self._ww * d * d + 1
+
+    def fit_keys(self) -> tuple[float, float, float] | None:
+        """(a, b, c) of t = a + b * n + c * k, or None while the key term is not trusted:
+        too few steps, key counts that barely vary or move in step with n, a slope that
+        does not rise, or a key term within ``MIN_T`` standard errors of zero."""
+        return self._solve_keys()[0]
+
+    def _solve_keys(self) -> tuple[tuple[float, float, float] | None, float | None]:
+        """The key fit, and the largest cost per key the steps leave plausible (the fit's
+        c plus ``MIN_T`` standard errors; None where the steps cannot tell)."""
+        if self._w < 3:
+            return None, None
+        w = self._w
+        mean_n, mean_k, mean_t = self._n / w, self._k / w, self._t / w
+        var_n = self._nn / w - mean_n * mean_n
+        var_k = self._kk / w - mean_k * mean_k
+        cov_nk = self._nk / w - mean_n * mean_k
+        det = var_n * var_k - cov_nk * cov_nk
+        if var_n < MIN_SPREAD**2 or var_k < MIN_SPREAD**2 or det < MIN_INDEPENDENCE * var_n * var_k:
+            return None, None
+        cov_nt = self._nt / w - mean_n * mean_t
+        cov_kt = self._kt / w - mean_k * mean_t
+        b = (cov_nt * var_k - cov_kt * cov_nk) / det
+        c = (cov_kt * var_n - cov_nt * cov_nk) / det
+        # least squares' standard error of c over the decayed steps (w^2 / ww of them)
+        residual = max(self._tt / w - mean_t * mean_t - b * cov_nt - c * cov_kt, 0.0)
+        num_steps = w * w / self._ww
+        stderr = math.sqrt(residual * var_n / (det * max(num_steps - 3, 1.0)))
+        if b <= 0 or c <= MIN_T * stderr:
+            return None, c + MIN_T * stderr
+        return (max(mean_t - b * mean_n - c * mean_k, 0.0), b, c), c + MIN_T * stderr
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of t = a + b * n, or None until steps of different sizes were seen."""
@@ -67,31 +177,49 @@ class StepCostModel:
         return max(mean_t - slope * mean_n, 0.0), slope
 
     def prefill_budget(
-        self, num_decodes: int, num_waiting: int = 0, num_protected: int | None = None
+        self,
+        num_decodes: int,
+        num_waiting: int = 0,
+        num_protected: int | None = None,
+        position: int = 0,
+        decode_keys: int = 0,
     ) -> int:
         """Prefill tokens a step with ``num_decodes`` decodes may add within the stall bound,
         stretched by ``num_waiting / num_protected`` when more streams wait for prefill than
         the bound protects (``num_protected``: the decoding streams it holds prefill back
-        for; all of them by default)."""
+        for; all of them by default). ``position``: tokens of the prompt already computed,
+        ``decode_keys``: keys the decodes read (both count only with a trusted key term)."""
         protected = num_decodes if num_protected is None else num_protected
         ratio = max(1.0, num_waiting / protected) if protected else 1.0
-        fitted = self.fit()
-        if fitted is None:
+        with_keys, fitted = self._fits()
+        if with_keys is not None:
+            a, b, c = with_keys
+            decode = a + b * num_decodes + c * decode_keys
+            extra = (self.max_stall * ratio - 1) * decode
+            budget = largest_chunk(extra, b, c, position)
+            budget = min(budget, int(2 * ratio * self._last_budget))
+        elif fitted is None:
             budget = int(self.min_chunk * ratio)  # small probes until the line is known
         else:
             a, b = fitted
             target = self.max_stall * ratio * (a + b * num_decodes)
-            budget = max(int((target - a) / b) - num_decodes, self.min_chunk)
+            budget = max(int((target - a) / b) - num_decodes, 1)
             budget = min(budget, int(2 * ratio * self._last_budget))
         # Noise may at most double the budget of the last step, whatever the ratio was.
         self._last_budget = max(int(budget / ratio), self.min_chunk)
         return budget
 
     def budget(
-        self, num_decodes: int, decoding: list[Sequence], held: list[Sequence], tick: int
+        self,
+        num_decodes: int,
+        decoding: list[Sequence],
+        held: list[Sequence],
+        tick: int,
+        position: int = 0,
     ) -> int:
         """The prefill budget of a step with ``num_decodes`` decodes, next to the
-        ``decoding`` streams, for the ``held`` prompts (``tick``: results applied so far).
+        ``decoding`` streams, for the ``held`` prompts (``tick``: results applied so far;
+        ``position``: tokens of the first held prompt computed or in flight).
         Prompts are held back only for the streams that were streaming when the latest of
         them arrived: streams that started after (the first part of a burst, admitted a
         step before the rest) have no claim to be spared their prefill, so with none of the
@@ -101,8 +229,27 @@ class StepCostModel:
             1 for s in decoding if s.first_token_tick is not None and s.first_token_tick <= latest
         )
         # Asked every step, so that the noise guard knows the last step's bound.
-        bound = self.prefill_budget(num_decodes, len(held), protected)
+        keys = sum(s.num_computed + 1 for s in decoding)
+        bound = self.prefill_budget(num_decodes, len(held), protected, position, keys)
         return bound if protected else UNBOUNDED
+
+
+def chunk_keys(num_tokens: int, position: int) -> int:
+    """Keys a chunk of ``num_tokens`` after ``position`` computed ones reads: each token
+    attends over every token before it and itself."""
+    return num_tokens * position + num_tokens * (num_tokens + 1) // 2
+
+
+def largest_chunk(seconds: float, b: float, c: float, position: int) -> int:
+    """The most tokens, at least one, a chunk after ``position`` computed ones may have for
+    ``b * n + c * chunk_keys(n, position) <= seconds``."""
+    linear = b + c * (position + 0.5)
+    n = int((-linear + math.sqrt(linear * linear + 2 * c * seconds)) / c)
+    while n > 1 and b * n + c * chunk_keys(n, position) > seconds:
+        n -= 1  # float rounding
+    while b * (n + 1) + c * chunk_keys(n + 1, position) <= seconds:
+        n += 1
+    return max(n, 1)
 
 
 UNBOUNDED = 1 << 62

@@ -3,9 +3,12 @@ and whether drafts pay (scheduler/speculation.py)."""
 
 from __future__ import annotations
 
+from canteen.logging import get_logger
 from canteen.plan import StepPlan, StepResult
 from scheduler.cost import StepCostModel
 from scheduler.speculation import SpeculationPolicy
+
+log = get_logger(__name__)
 
 
 def observe_step(
@@ -14,14 +17,26 @@ def observe_step(
     plan: StepPlan,
     result: StepResult,
     since: float | None,
+    num_keys: int = 0,
 ) -> None:
     """Feeds the cost model and the speculation rule; ``since``: seconds since the previous
-    result arrived (None for the first)."""
+    result arrived (None for the first); ``num_keys``: keys the step's queries read."""
     if result.total_ns <= 0 or not plan.scheduled:
         return
     seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
     if cost is not None:
-        cost.observe(computed, seconds)
+        expected = cost.estimate(computed, num_keys)
+        # what a stall shows up as: each step's tokens, its estimate and its time (DEBUG)
+        log.debug(
+            "step cost",
+            step_id=plan.step_id,
+            num_tokens=computed,
+            num_sequences=len(plan.scheduled),
+            num_keys=num_keys,
+            estimated_ms=None if expected is None else round(expected * 1e3, 2),
+            took_ms=round(seconds * 1e3, 2),
+        )
+        cost.observe(computed, seconds, num_keys)
     drafted = any(s.num_draft_tokens for s in plan.scheduled)
     speculation.observe(
         len(plan.scheduled) if plan.kind == "decode" else 0,

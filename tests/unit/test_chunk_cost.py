@@ -1,0 +1,186 @@
+"""Chunk sizes from a step cost with a key term: a prompt's late chunks read every key
+before them, so the stall bound sizes them by position (scheduler/cost.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from canteen.batching import BatchConfig
+from canteen.plan import StepPlan, StepResult
+from scheduler.batcher import BatchScheduler
+from scheduler.blocks import BlockPool
+from scheduler.cost import StepCostModel, chunk_keys, largest_chunk
+from tests.unit.test_batcher import (
+    BLOCK_SIZE,
+    FakeWorker,
+    expected_tokens,
+    make_seq,
+    run_until_done,
+    scheduled,
+    step,
+)
+
+A, B, C = 0.040, 0.002, 1e-6  # 40 ms a step, 2 ms a token, 1 us a key read
+
+
+def seconds(num_tokens: int, num_keys: int) -> float:
+    return A + B * num_tokens + C * num_keys
+
+
+def taught() -> StepCostModel:
+    """A model that saw decode-only steps (8 rows over ~100 keys each) and steps that also
+    carried chunks at several positions."""
+    model = StepCostModel(max_stall=2.0, min_chunk=16)
+    for n, k in [(8, 800), (24, 1500), (8, 820), (40, 9000), (8, 840), (24, 30000), (72, 4000)]:
+        model.observe(n, seconds(n, k), k)
+    return model
+
+
+def test_the_fit_recovers_the_key_term() -> None:
+    fitted = taught().fit_keys()
+    assert fitted is not None
+    assert fitted == pytest.approx((A, B, C), rel=1e-6)
+
+
+def test_a_late_chunk_is_smaller_than_an_early_one() -> None:
+    model = taught()
+    # 8 decodes over 800 keys: 40 + 16 + 0.8 = 56.8 ms, so a chunk may add 56.8 ms.
+    # At position 0, 28 tokens: 56 ms + 406 keys (0.406 ms) = 56.406 ms; 29 would be 58.4.
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 28
+    # After 1,900 tokens, each token also reads ~1,900 keys: 14 tokens cost 28 ms + 26,705
+    # keys (26.7 ms) = 54.7 ms; 15 would cost 58.6 ms.
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 14
+
+
+def taught_at(max_stall: float) -> StepCostModel:
+    model = StepCostModel(max_stall=max_stall, min_chunk=16)
+    for n, k in [(8, 800), (24, 1500), (8, 820), (40, 9000), (8, 840), (24, 30000), (72, 4000)]:
+        model.observe(n, seconds(n, k), k)
+    return model
+
+
+def test_the_default_bound_sizes_chunks_by_position() -> None:
+    model = taught_at(1.5)  # the shipped --max-step-stall
+    # 8 decodes over 800 keys take 56.8 ms, so a chunk may add half of that: 28.4 ms.
+    # At position 0, 14 tokens: 28 ms + 105 keys = 28.105 ms; 15 would be 30.12 ms.
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 14
+    # After 1,900 tokens, 7: 14 ms + 13,328 keys = 27.3 ms; 8 would be 31.2 ms. Fewer than
+    # min_chunk (16): its 16 fresh tokens alone (32.1 ms) would break the bound.
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
+
+
+def test_once_the_cost_is_known_the_floor_is_one_token() -> None:
+    model = taught_at(1.0)  # no room beyond the decodes at all
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 1
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 1
+    # However late, a prompt progresses by a token a step.
+    assert largest_chunk(0.0, B, C, 10**6) == 1
+
+
+def test_one_step_slowed_by_the_host_is_not_learned() -> None:
+    model = taught_at(1.5)
+    fitted = model.fit_keys()
+    model.observe(8, 10 * seconds(8, 800), 800)  # another process took the cores
+    assert model.fit_keys() == fitted
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
+    # Three in a row: the machine is slower now, and the model follows it.
+    model.observe(8, 10 * seconds(8, 800), 800)
+    model.observe(8, 10 * seconds(8, 800), 800)
+    assert model.fit_keys() != fitted
+
+
+def test_decode_only_steps_do_not_forget_the_learned_slopes() -> None:
+    """A long stretch of decode-only steps leaves no spread to fit a slope to; the next
+    prompt is still sized by the slopes learned before, not probed at min_chunk again."""
+    model = taught_at(1.5)
+    for _ in range(200):
+        model.observe(8, seconds(8, 800), 800)
+    assert model.fit_keys() is None and model.fit() is None
+    assert model.estimate(8, 800) == pytest.approx(seconds(8, 800))
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
+
+
+def test_keys_that_move_with_the_tokens_leave_the_plain_line() -> None:
+    model = StepCostModel(max_stall=2.0, min_chunk=16)
+    for n in [8, 8, 24, 8, 40, 8, 72, 8]:
+        model.observe(n, seconds(n, 100 * n), 100 * n)  # k = 100 n: not separable
+    assert model.fit_keys() is None
+    # the line t = 40 ms + 2.1 ms n: 2 x (40 + 16.8) ms allows 35 tokens, 27 beyond 8.
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 27
+
+
+class KeyTimedWorker(FakeWorker):
+    """Steps take ``seconds(tokens, keys)``, the keys counted from each sequence's position."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.done: dict[str, int] = {}
+        self.costs: list[float] = []
+
+    def step(self, plan: StepPlan) -> StepResult:
+        keys = 0
+        for s in plan.scheduled:
+            keys += chunk_keys(s.num_tokens, self.done.get(s.seq_id, 0))
+            self.done[s.seq_id] = self.done.get(s.seq_id, 0) + s.num_tokens
+        self.costs.append(seconds(plan.num_tokens, keys))
+        result = super().step(plan)
+        return StepResult(
+            result.step_id, result.tokens, result.num_tokens, total_ns=int(self.costs[-1] * 1e9)
+        )
+
+
+def test_a_long_prompt_keeps_late_steps_within_the_bound() -> None:
+    """With 20 us a key, a chunk of the 8-token minimum after 600 tokens would take 2.3x a
+    decode-only step; the batcher learns the key term and shrinks late chunks below it."""
+    global C
+    limits = BatchConfig(
+        max_batched_tokens=512,
+        max_num_seqs=16,
+        max_step_stall=2.0,
+        min_prefill_chunk=8,
+        pipeline_depth=1,
+    )
+    sched, worker = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits), KeyTimedWorker(400)
+    saved, C = C, 20e-6
+    try:
+        streams = [make_seq(f"s{i}", prompt_len=4, max_tokens=200) for i in range(8)]
+        for s in streams:
+            sched.add(s)
+        for _ in range(5):
+            step(sched, worker)
+        long = make_seq("long", prompt_len=600, max_tokens=4)
+        sched.add(long)
+        chunks: list[int] = []
+        while long.num_computed < 600:
+            plan = sched.schedule()
+            assert plan is not None and all(scheduled(plan)[s.request_id] == 1 for s in streams)
+            chunks.append(scheduled(plan).get("long", 0))
+            sched.update(worker.step(plan))
+        decode_only = seconds(8, 8 * (5 + len(chunks) + 4))
+        assert max(worker.costs[5:]) <= 2.0 * decode_only
+        assert min(chunks[-5:]) < 8  # late chunks below the minimum, sized by the keys
+        run_until_done(sched, worker)
+    finally:
+        C = saved
+    assert long.output_ids == expected_tokens(long.prompt_ids, 4)
+    assert streams[0].output_ids == expected_tokens(streams[0].prompt_ids, 200)
+
+
+def test_jitter_is_not_taken_for_a_key_term() -> None:
+    """Steps whose time has no key term but 20% jitter (a tiny model, a busy host): the
+    key term is within its standard error of zero, so the plain line sizes late chunks
+    instead of a spurious cost per key holding them to a token a step."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    jitter = random.Random(7)
+    for i in range(60):
+        n, k = (24, 800 + 400 * i) if i % 2 else (8, 800 + 8 * i)
+        model.observe(n, (A + B * n) * jitter.uniform(0.8, 1.2), k)
+    assert model.fit_keys() is None
+    line = model.fit()
+    assert line is not None
+    a, b = line
+    plain = int((1.5 * (a + 8 * b) - a) / b) - 8
+    assert plain >= 8
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == min(plain, 32)
