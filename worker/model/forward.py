@@ -30,7 +30,14 @@ from canteen.logging import get_logger
 from worker import kernels
 from worker.attention.interface import PagedBatch
 from worker.attention.paged import kernel_groups, layer_view, paged_attention
-from worker.model.quant import Linear, PackedLinear, Q4Groups, kernel_form, make_linear
+from worker.model.quant import (
+    Groups,
+    Linear,
+    PackedLinear,
+    cat_groups,
+    kernel_form,
+    make_linear,
+)
 
 log = get_logger(__name__)
 
@@ -64,7 +71,7 @@ class Shape:
 
 
 def _fused_linear(
-    mods: list[nn.Linear], names: list[str], quantization: str, q4: dict[str, Q4Groups]
+    mods: list[nn.Linear], names: list[str], quantization: str, q4: dict[str, Groups]
 ) -> Linear:
     """One linear computing ``mods`` side by side: their weights (and biases) stacked."""
     weight = torch.cat([m.weight for m in mods]) if len(mods) > 1 else mods[0].weight
@@ -75,7 +82,7 @@ def _fused_linear(
             [m.bias if m.bias is not None else z for m, z in zip(mods, zeros, strict=True)]
         )
     exact = [q4[n] for n in names if n in q4]
-    groups = Q4Groups.cat(exact) if len(exact) == len(names) else None
+    groups = cat_groups(exact) if len(exact) == len(names) else None
     return make_linear(
         weight.detach(), None if bias is None else bias.detach(), quantization, groups
     )
@@ -122,7 +129,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 class Layer:
     def __init__(
-        self, hf: nn.Module, prefix: str, shape: Shape, quantization: str, q4: dict[str, Q4Groups]
+        self, hf: nn.Module, prefix: str, shape: Shape, quantization: str, q4: dict[str, Groups]
     ) -> None:
         attn: nn.Module = hf.self_attn  # type: ignore[assignment]
         mlp: nn.Module = hf.mlp  # type: ignore[assignment]
@@ -218,7 +225,7 @@ def _stack(layers: list[Layer]) -> Stack | None:
 class FastModel:
     """The decoder over one flattened step: token ids [T] -> logits [len(keep), vocab]."""
 
-    def __init__(self, hf: PreTrainedModel, quantization: str, q4: dict[str, Q4Groups]) -> None:
+    def __init__(self, hf: PreTrainedModel, quantization: str, q4: dict[str, Groups]) -> None:
         config = hf.config
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -241,9 +248,12 @@ class FastModel:
             Layer(layer, f"model.layers.{i}", self.shape, quantization, q4)
             for i, layer in enumerate(body.layers)
         ]
-        # The head decides every token: it stays at 8 bits under int4.
+        # The head decides every token: it stays at 8 bits under int4 (a GGUF's Q8_0 head, or
+        # its tied Q8_0 embedding, as shipped).
         head_quantization = "int8" if quantization == "int4" else quantization
-        self.lm_head = make_linear(hf.lm_head.weight.detach(), hf.lm_head.bias, head_quantization)
+        self.lm_head = make_linear(
+            hf.lm_head.weight.detach(), hf.lm_head.bias, head_quantization, q4.get("lm_head.weight")
+        )
         for layer in body.layers:
             # The fused copies replace these; free transformers' per-projection weights.
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
