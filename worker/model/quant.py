@@ -10,10 +10,10 @@
           ``(q - 8) * scale + zero``, so a GGUF Q4_1 block (``d * q + m``) fits exactly as
           ``scale = d, zero = m + 8 d`` (see worker/model/gguf_q4.py).
 
-Where Canteen's ``quant_linear`` runs vectorized (AVX512-VNNI, or AVX2), every step takes it
-(worker/kernels/lowbit.cpp): the same int8 or 4-bit values, with float16 scales (Q4_1's own
-d and m exactly), and activations rounded to int8 per group of 32, as llama.cpp does. torch's
-kernels above are the fallback on CPUs without either.
+Where Canteen's ``quant_linear`` runs vectorized (AVX512-BF16, or AVX2), every step takes it
+(worker/kernels/lowbit.cpp): the file's own 4- or 8-bit values with float16 d and m, times the
+bfloat16 activations as they are, float32 sums in one order for every row count. torch's
+kernels above are the fallback only where Canteen's kernels are not built.
 
 Both low-bit kernels are fast only with bfloat16 activations on this CPU (float32 and float16
 activations ran 10-50x slower), so quantized layers compute in bfloat16.
@@ -207,16 +207,10 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-# An int8 or int4 layer sends every row of a step through Canteen's quant_linear (int8
-# activations, integer dot products; each row's sums its own, group by group along K, so a
-# row's bits do not depend on the batch). It takes eight rows at a time against each
-# block of weights while the block is in L1. Measured on the Xeon with AMX (2026-12-04, two
-# threads, SmolLM2's four linear shapes times 30 layers, weights in cache): int4 1.7 / 8.7 /
-# 33 / 126 ms at 1 / 16 / 64 / 256 rows against 3.8 / 22 / 87 / 340 for torch's int4 kernel,
-# int8 1.5 / 8.4 / 33 / 123 against 3.2 / 25 / 95 / 376 for torch's int8 one. On the Zen 4 at
-# one row: 34-47 GB/s of 4-bit weights against 14-16 GB/s. Quantizing the activations with
-# AVX-512 (the same int8 values; 2026-12-05, three alternating runs against the scalar loop)
-# took int4 to 1.55-1.60 / 7.6-8.0 / 27-29 / 110-115 ms.
+# An int8 or int4 layer sends every row of a step through Canteen's quant_linear: the weights
+# widened to bfloat16 exactly, bfloat16 dot products with the activations as they are, each
+# row's sums its own, group by group along K, so a row's bits do not depend on the batch.
+# Measured: docs/kernels.md (the quant_linear row).
 
 
 @dataclass(frozen=True)
