@@ -231,7 +231,8 @@ async def load(
             config.verify_checksum,
             quantization=quantization,
             forward=config.forward,
-            dtype_reason=f"{reason}; {why}",
+            # a low-bit choice says why beside the dtype's reason (the log has both always)
+            dtype_reason=reason if quantization == "none" else f"{reason}; {why}",
         ),
     )
     draft, shares_kv = None, False
