@@ -39,7 +39,14 @@ from worker.engine.observe import WorkerMetrics
 from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.kv_tiers.store import open_tiers, version_digest
 from worker.lora.store import LoraMetrics
-from worker.model.loader import LoadedModel, ModelLoadError, choose_dtype, load_model, pick_device
+from worker.model.loader import (
+    LoadedModel,
+    ModelLoadError,
+    choose_dtype,
+    choose_quantization,
+    load_model,
+    pick_device,
+)
 from worker.server import WorkerIdentity, WorkerServicer
 from worker.speculation.draft import can_share_kv
 from worker.speculation.speculate import SpeculationConfig
@@ -208,21 +215,27 @@ async def load(
         path=record.path,
         device=str(device),
     )
-    dtype, reason = choose_dtype(config.dtype, device, config.quantization)
+    fmt = _FORMATS.get(record.format, "")
+    quantization, why = choose_quantization(
+        config.quantization, record.path, fmt, device, config.dtype
+    )
+    log.info("quantization", quantization=quantization, reason=why)
+    dtype, reason = choose_dtype(config.dtype, device, quantization)
     log.info("dtype", dtype=str(dtype).removeprefix("torch."), reason=reason)
     loaded = await loop.run_in_executor(
         engine,
         functools.partial(
             load_model,
             record.path,
-            _FORMATS.get(record.format, ""),
+            fmt,
             record.sha256,
             device,
             dtype,
             config.verify_checksum,
-            quantization=config.quantization,
+            quantization=quantization,
             forward=config.forward,
-            dtype_reason=reason,
+            # a low-bit choice says why beside the dtype's reason (the log has both always)
+            dtype_reason=reason if quantization == "none" else f"{reason}; {why}",
         ),
     )
     draft, shares_kv = None, False

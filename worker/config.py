@@ -29,6 +29,7 @@ from worker.speculation.speculate import SPECULATIVE_KINDS
 _GRAMMAR = GrammarOptions()  # the grammar flags' defaults are the runner's
 
 QUANTIZATIONS = one_of("none", "int8", "int4")
+TARGET_QUANTIZATIONS = one_of("auto", "none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -57,10 +58,12 @@ class WorkerConfig(InternalLinkOptions):
         one_of("auto", "float32", "bfloat16", "float16"),
     )
     quantization: str = option(
-        "none",
-        "weight-only quantization at load: none, int8 (per row) or int4 (groups of 32; a GGUF's "
-        "Q4_1 values are carried exactly); CPU only, computes in bfloat16",
-        QUANTIZATIONS,
+        "auto",
+        "weight-only quantization at load: auto (a GGUF whose linears ship Q4_1: int4, Q8_0: "
+        "int8, their values as they are; otherwise none), none, int8 (a GGUF's Q8_0 values, "
+        "else per row) or int4 (groups of 32; a GGUF's Q4_1 values); CPU only, computes in "
+        "bfloat16",
+        TARGET_QUANTIZATIONS,
     )
     forward: str = option(
         "fast",
@@ -185,7 +188,7 @@ class WorkerConfig(InternalLinkOptions):
         check_bounds(self)
         low_bit = "the low-bit kernels compute in it"
         require(
-            self.quantization == "none" or self.dtype in ("auto", "bfloat16"),
+            self.quantization in ("none", "auto") or self.dtype in ("auto", "bfloat16"),
             "dtype",
             self.dtype,
             f"must be auto or bfloat16 with --quantization ({low_bit})",

@@ -211,6 +211,6 @@ def available() -> bool:
 
 @cache
 def quant_vectorized() -> bool:
-    """Whether ``quant_linear`` runs vectorized here (AVX512-VNNI, or AVX2): without, it is a
+    """Whether ``quant_linear`` runs vectorized here (AVX512-BF16, or AVX2): without, it is a
     plain loop and torch's low-bit kernels are faster."""
     return available() and bool(torch.ops.canteen.quant_vectorized())

@@ -9,7 +9,7 @@
 // attention.cpp adds canteen::paged_decode_into (decode attention read in place from the
 // paged pool), dense.cpp canteen::skinny_linear (bfloat16, or float32 through
 // dense_float.cpp, x @ w^T for a few rows, near read bandwidth), lowbit.cpp
-// canteen::quant_linear (4- and 8-bit weights, int8 activations).
+// canteen::quant_linear (4- and 8-bit weights as shipped, bfloat16 activations).
 //
 // All of them compute in float32 and round where the ops they replace round.
 // worker/kernels/__init__.py builds the kernels with the machine's own compiler and loads it;

@@ -31,7 +31,14 @@ from worker import kernels
 from worker.attention.interface import PagedBatch
 from worker.attention.paged import kernel_groups, layer_view, paged_attention
 from worker.lora.slots import StepLora
-from worker.model.quant import Linear, PackedLinear, Q4Groups, kernel_form, make_linear
+from worker.model.quant import (
+    Groups,
+    Linear,
+    PackedLinear,
+    cat_groups,
+    kernel_form,
+    make_linear,
+)
 
 log = get_logger(__name__)
 
@@ -65,7 +72,7 @@ class Shape:
 
 
 def _fused_linear(
-    mods: list[nn.Linear], names: list[str], quantization: str, q4: dict[str, Q4Groups]
+    mods: list[nn.Linear], names: list[str], quantization: str, q4: dict[str, Groups]
 ) -> Linear:
     """One linear computing ``mods`` side by side: their weights (and biases) stacked."""
     weight = torch.cat([m.weight for m in mods]) if len(mods) > 1 else mods[0].weight
@@ -76,7 +83,7 @@ def _fused_linear(
             [m.bias if m.bias is not None else z for m, z in zip(mods, zeros, strict=True)]
         )
     exact = [q4[n] for n in names if n in q4]
-    groups = Q4Groups.cat(exact) if len(exact) == len(names) else None
+    groups = cat_groups(exact) if len(exact) == len(names) else None
     return make_linear(
         weight.detach(), None if bias is None else bias.detach(), quantization, groups
     )
@@ -123,7 +130,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 class Layer:
     def __init__(
-        self, hf: nn.Module, index: int, shape: Shape, quantization: str, q4: dict[str, Q4Groups]
+        self, hf: nn.Module, index: int, shape: Shape, quantization: str, q4: dict[str, Groups]
     ) -> None:
         prefix, self.index = f"model.layers.{index}", index
         attn: nn.Module = hf.self_attn  # type: ignore[assignment]
@@ -226,7 +233,7 @@ def _stack(layers: list[Layer]) -> Stack | None:
 class FastModel:
     """The decoder over one flattened step: token ids [T] -> logits [len(keep), vocab]."""
 
-    def __init__(self, hf: PreTrainedModel, quantization: str, q4: dict[str, Q4Groups]) -> None:
+    def __init__(self, hf: PreTrainedModel, quantization: str, q4: dict[str, Groups]) -> None:
         config = hf.config
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -248,9 +255,12 @@ class FastModel:
         self.layers = [
             Layer(layer, i, self.shape, quantization, q4) for i, layer in enumerate(body.layers)
         ]
-        # The head decides every token: it stays at 8 bits under int4.
+        # The head decides every token: it stays at 8 bits under int4 (a GGUF's Q8_0 head, or
+        # its tied Q8_0 embedding, as shipped).
         head_quantization = "int8" if quantization == "int4" else quantization
-        self.lm_head = make_linear(hf.lm_head.weight.detach(), hf.lm_head.bias, head_quantization)
+        self.lm_head = make_linear(
+            hf.lm_head.weight.detach(), hf.lm_head.bias, head_quantization, q4.get("lm_head.weight")
+        )
         for layer in body.layers:
             # The fused copies replace these; free transformers' per-projection weights.
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

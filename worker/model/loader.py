@@ -11,11 +11,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from canteen.logging import get_logger
 from canteen.models import weights_sha256
+from worker import kernels
 from worker.attention.interface import ATTENTION_NAME, PagedBatch
 from worker.model.fast_linear import use_skinny_linears
 from worker.model.forward import FAMILIES, FastModel
-from worker.model.gguf_q4 import exact_groups
-from worker.model.quant import Q4Groups
+from worker.model.gguf_q4 import exact_groups, linear_formats
+from worker.model.quant import Groups
 
 log = get_logger(__name__)
 
@@ -96,6 +97,51 @@ def choose_dtype(
 
 def pick_dtype(requested: str, device: torch.device) -> torch.dtype:
     return choose_dtype(requested, device)[0]
+
+
+# --quantization auto: the low-bit mode whose kernel carries a GGUF's linears exactly as shipped.
+_AUTO_FROM_GGUF = {"Q4_1": "int4", "Q8_0": "int8"}
+
+
+def choose_quantization(
+    requested: str, path: str, fmt: str, device: torch.device, dtype: str = "auto"
+) -> tuple[str, str]:
+    """The quantization to load with, and why (logged, and reported by GetInfo with the dtype's
+    reason). ``auto`` serves a GGUF whose decoder linears all ship Q4_1 at int4 and all Q8_0
+    at int8, their values as they are; anything else in its own dtype (none)."""
+    if requested != "auto":
+        return requested, f"--quantization {requested}"
+    if device.type != "cpu":
+        return "none", "--quantization auto: the low-bit kernels are CPU-only"
+    if dtype not in ("auto", "bfloat16"):
+        return (
+            "none",
+            f"--quantization auto: --dtype {dtype} (the low-bit kernels compute in bfloat16)",
+        )
+    if not kernels.quant_vectorized():
+        return "none", "--quantization auto: Canteen's low-bit kernel is not vectorized here"
+    if not {"avx512_bf16", "amx_bf16"} & cpu_flags():
+        # Measured faster than the dtype default only with bfloat16 dot products in hardware;
+        # an AVX2 CPU runs float32 by default and keeps it (--quantization int4 still works).
+        return "none", "--quantization auto: this CPU has no AVX512-BF16 (its default is faster)"
+    if fmt != "gguf":
+        return (
+            "none",
+            f"--quantization auto: a {fmt or 'non-GGUF'} checkpoint runs in its own dtype",
+        )
+    try:
+        kinds = linear_formats(Path(path))
+    except (OSError, ValueError) as exc:
+        return "none", f"--quantization auto: the GGUF's tensor types could not be read ({exc})"
+    shipped = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    if len(kinds) == 1 and (kind := next(iter(kinds))) in _AUTO_FROM_GGUF:
+        chosen = _AUTO_FROM_GGUF[kind]
+        return (
+            chosen,
+            f"--quantization auto: the GGUF's linears ship {shipped}; {chosen} as shipped",
+        )
+    shipped = shipped or "no linears"
+    return "none", f"--quantization auto: the GGUF's linears ship {shipped}, not all Q4_1 or Q8_0"
 
 
 def _eos_ids(model: PreTrainedModel) -> tuple[int, ...]:
@@ -179,12 +225,16 @@ def _forward(
     """Canteen's fused forward where the family is supported exactly, else transformers'."""
     config = model.config
     if requested == "fast" and config.model_type in FAMILIES:
-        q4: dict[str, Q4Groups] = {}
-        if quantization == "int4" and gguf is not None:
-            # Carry the file's own 4-bit values instead of re-quantizing their dequantization.
+        q4: dict[str, Groups] = {}
+        if quantization in ("int4", "int8") and gguf is not None:
+            # Carry the file's own low-bit values instead of re-quantizing their dequantization.
             params = {name: p.detach() for name, p in model.named_parameters()}
+            params["lm_head.weight"] = model.lm_head.weight.detach()  # tied or not
             q4 = exact_groups(gguf, params, config.num_attention_heads, config.num_key_value_heads)
-            log.info("int4 from the GGUF's Q4_1 blocks", num_exact_tensors=len(q4))
+            kinds = sorted({type(g).__name__ for g in q4.values()})
+            log.info(
+                f"{quantization} from the GGUF's own blocks", num_exact_tensors=len(q4), kinds=kinds
+            )
         return FastModel(model, quantization, q4), "fast"
     if quantization != "none":
         raise ModelLoadError(

@@ -10,10 +10,10 @@
           ``(q - 8) * scale + zero``, so a GGUF Q4_1 block (``d * q + m``) fits exactly as
           ``scale = d, zero = m + 8 d`` (see worker/model/gguf_q4.py).
 
-Where Canteen's ``quant_linear`` runs vectorized (AVX512-VNNI, or AVX2), every step takes it
-(worker/kernels/lowbit.cpp): the same int8 or 4-bit values, with float16 scales (Q4_1's own
-d and m exactly), and activations rounded to int8 per group of 32, as llama.cpp does. torch's
-kernels above are the fallback on CPUs without either.
+Where Canteen's ``quant_linear`` runs vectorized (AVX512-BF16, or AVX2), every step takes it
+(worker/kernels/lowbit.cpp): the file's own 4- or 8-bit values with float16 d and m, times the
+bfloat16 activations as they are, float32 sums in one order for every row count. torch's
+kernels above are the fallback only where Canteen's kernels are not built.
 
 Both low-bit kernels are fast only with bfloat16 activations on this CPU (float32 and float16
 activations ran 10-50x slower), so quantized layers compute in bfloat16.
@@ -51,6 +51,39 @@ class Q4Groups:
     @staticmethod
     def cat(parts: list[Q4Groups]) -> Q4Groups:
         return Q4Groups(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
+
+
+@dataclass(frozen=True)
+class Q8Groups:
+    """int8 weights with a scale per group of 32 (a GGUF Q8_0 block): ``w = d * q``."""
+
+    q: torch.Tensor  # [out, in] int8
+    d: torch.Tensor  # [out, in // 32] float32
+
+    @staticmethod
+    def cat(parts: list[Q8Groups]) -> Q8Groups:
+        return Q8Groups(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() * self.d.unsqueeze(-1)).view(
+            n, k
+        )
+
+
+Groups = Q4Groups | Q8Groups
+
+
+def cat_groups(parts: list[Groups]) -> Groups | None:
+    """Linears fused side by side (q/k/v, gate/up): their groups stacked, where all are of
+    one kind; None otherwise (the fused layer then quantizes the stacked weight)."""
+    q4 = [p for p in parts if isinstance(p, Q4Groups)]
+    q8 = [p for p in parts if isinstance(p, Q8Groups)]
+    if parts and len(q4) == len(parts):
+        return Q4Groups.cat(q4)
+    if parts and len(q8) == len(parts):
+        return Q8Groups.cat(q8)
+    return None
 
 
 def q4_from_float(weight: torch.Tensor) -> Q4Groups:
@@ -174,23 +207,19 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-# An int8 or int4 layer sends every row of a step through Canteen's quant_linear (int8
-# activations, integer dot products; each row's sums its own, group by group along K, so a
-# row's bits do not depend on the batch). It takes eight rows at a time against each
-# block of weights while the block is in L1. Measured on the Xeon with AMX (2026-12-04, two
-# threads, SmolLM2's four linear shapes times 30 layers, weights in cache): int4 1.7 / 8.7 /
-# 33 / 126 ms at 1 / 16 / 64 / 256 rows against 3.8 / 22 / 87 / 340 for torch's int4 kernel,
-# int8 1.5 / 8.4 / 33 / 123 against 3.2 / 25 / 95 / 376 for torch's int8 one. On the Zen 4 at
-# one row: 34-47 GB/s of 4-bit weights against 14-16 GB/s. Quantizing the activations with
-# AVX-512 (the same int8 values; 2026-12-05, three alternating runs against the scalar loop)
-# took int4 to 1.55-1.60 / 7.6-8.0 / 27-29 / 110-115 ms.
+# An int8 or int4 layer sends every row of a step through Canteen's quant_linear: the weights
+# widened to bfloat16 exactly, bfloat16 dot products with the activations as they are, each
+# row's sums its own, group by group along K, so a row's bits do not depend on the batch.
+# Measured: docs/kernels.md (the quant_linear row).
 
 
 @dataclass(frozen=True)
 class GroupPacked:
     """quant_linear's layout (worker/kernels/lowbit.cpp): output rows in blocks of 16, one
-    32-bit lane per row; per block and group 16 lanes x 32 weights at 4 or 8 bits, and
-    float16 (d, m) per lane, the weight being ``d * u + m``."""
+    32-bit lane per row holding a pair of adjacent weights; per block and group 16 pairs of 16
+    lanes, at 8 bits one int8 per weight (32 bytes a pair), at 4 bits pair s in the low
+    nibbles and pair s + 8 in the high ones (32 bytes for two pairs); float16 (d, m) per
+    lane and group, the weight being ``d * q + m``."""
 
     weights: torch.Tensor  # [ceil(out / 16), in // 32, 256 or 512] uint8
     scales: torch.Tensor  # [ceil(out / 16), in // 32, 2, 16] float16: d, then m
@@ -203,16 +232,18 @@ class GroupPacked:
         return out
 
 
-def pack_groups(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> GroupPacked:
-    """``u`` [out, in] uint8 (0..15 for 4 bits), ``d`` and ``m`` [out, in // 32]."""
-    n, k = u.shape
+def pack_groups(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> GroupPacked:
+    """``q`` [out, in]: 0..15 (4 bits, uint8) or -128..127 (8 bits, int8); ``d`` and ``m``
+    [out, in // 32], exact in float16 (a GGUF block's own)."""
+    n, k = q.shape
     groups, blocks = k // GROUP_SIZE, -(-n // LANES)
     pad = (0, 0, 0, blocks * LANES - n)  # zero rows up to a whole block
-    # [block, lane, group, chunk, byte] -> [block, group, chunk, lane, byte]
-    chunks = F.pad(u, pad).view(blocks, LANES, groups, 8, 4).permute(0, 2, 3, 1, 4)
-    if bits == 4:  # chunk c's low nibbles, chunk c + 4's high ones
-        chunks = chunks[:, :, :4] | (chunks[:, :, 4:] << 4)
-    weights = chunks.reshape(blocks, groups, -1).contiguous()
+    raw = q.to(torch.int8).view(torch.uint8) if bits == 8 else q.to(torch.uint8)
+    # [block, lane, group, pair, weight] -> [block, group, pair, lane, weight]
+    pairs = F.pad(raw, pad).view(blocks, LANES, groups, GROUP_SIZE // 2, 2).permute(0, 2, 3, 1, 4)
+    if bits == 4:  # pair s in the low nibbles, pair s + 8 in the high ones
+        pairs = pairs[:, :, :8] | (pairs[:, :, 8:] << 4)
+    weights = pairs.reshape(blocks, groups, -1).contiguous()
     per_lane = [F.pad(t, pad).view(blocks, LANES, groups).transpose(1, 2) for t in (d, m)]
     scales = torch.stack(per_lane, dim=2).to(torch.float16).contiguous()
     return GroupPacked(weights, scales, n)
@@ -240,20 +271,30 @@ class _LowBitLinear:
 
 
 class Int8Linear(_LowBitLinear):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """int8 weights: a GGUF's Q8_0 blocks as they are (``q8``: int8 and a float16 scale per
+    group of 32) where the file has them, else one scale per output row. torch's fallback
+    kernel takes only row scales, so it re-quantizes ``weight`` per row."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, q8: Q8Groups | None = None
+    ) -> None:
         w = weight.float()
         self.scales = (w.abs().amax(1) / 127).clamp_min(1e-12)
         self.weight = (w / self.scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8)
         self.scales = self.scales.to(torch.bfloat16)
         self.bias = None if bias is None else bias.to(torch.bfloat16)
-        # as groups: u = q + 128, d = the row's scale, m = -128 d (exact in float16)
+        self.q8 = q8
         self.packed = _fast_path(weight.shape[1], self._groups)
 
     def _groups(self) -> GroupPacked:
-        groups = self.weight.shape[1] // GROUP_SIZE
-        d = self.scales.float().unsqueeze(1).expand(-1, groups)
-        u = (self.weight.to(torch.int16) + 128).to(torch.uint8)
-        return pack_groups(u, d, -128 * d, bits=8)
+        if self.q8 is not None:
+            q, d = self.q8.q, self.q8.d
+        else:  # the row's scale for each of its groups
+            q, d = (
+                self.weight,
+                self.scales.float().unsqueeze(1).expand(-1, self.weight.shape[1] // GROUP_SIZE),
+            )
+        return pack_groups(q, d, torch.zeros_like(d), bits=8)
 
     def fallback(self, x: torch.Tensor) -> torch.Tensor:
         """torch's int8 kernel (bfloat16 activations), for CPUs quant_linear is slow on."""
@@ -304,17 +345,20 @@ def make_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     quantization: str,
-    q4: Q4Groups | None = None,
+    groups: Groups | None = None,
 ) -> Linear:
-    """The layer for ``weight`` [out, in]; ``q4`` carries exact 4-bit values when known."""
+    """The layer for ``weight`` [out, in]; ``groups`` carries a file's exact 4- or 8-bit
+    values when known (used where they match ``quantization``)."""
     if quantization == "none":
         if uses_lanes(weight):
             return LanesLinear(weight, bias)
         return PackedLinear(weight, bias) if can_pack(weight) else DenseLinear(weight, bias)
+    q8 = groups if isinstance(groups, Q8Groups) else None
     if quantization == "int8":
-        return Int8Linear(weight, bias)
+        return Int8Linear(weight, bias, q8)
     if quantization == "int4":
         if weight.shape[1] % GROUP_SIZE:
             return Int8Linear(weight, bias)  # no whole groups: int8 is the next best
-        return Int4Linear(q4 if q4 is not None else q4_from_float(weight), bias)
+        q4 = groups if isinstance(groups, Q4Groups) else q4_from_float(weight)
+        return Int4Linear(q4, bias)
     raise ValueError(f"quantization={quantization!r}: expected one of {QUANTIZATIONS}")
