@@ -5,7 +5,9 @@ logprob bits alone and in a batch of 16."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -20,6 +22,23 @@ from worker.model.loader import choose_dtype, choose_quantization, load_model
 from worker.model.quant import Int4Linear, Int8Linear
 
 CPU = torch.device("cpu")
+# auto picks low bits only where bfloat16 dot products are in hardware; the choice itself is
+# tested on every CPU by saying which flags it sees.
+BF16_CPU = frozenset({"avx2", "avx512f", "avx512_bf16"})
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bf16_cpu() -> Iterator[None]:
+    with mock.patch("worker.model.loader.cpu_flags", lambda: BF16_CPU):
+        yield
+
+
+def test_auto_keeps_the_dtype_default_on_a_cpu_without_avx512_bf16(q4_gguf: Path) -> None:
+    with mock.patch("worker.model.loader.cpu_flags", lambda: frozenset({"avx2", "fma"})):
+        assert choose_quantization("auto", str(q4_gguf), "gguf", CPU) == (
+            "none",
+            "--quantization auto: this CPU has no AVX512-BF16 (its default is faster)",
+        )
 
 
 @pytest.fixture(scope="module")
