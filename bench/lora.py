@@ -167,7 +167,7 @@ def main() -> None:
         )
         print(
             f"memory per rank-{RANK} adapter: RSS +{per_adapter / 2**20:.1f} MiB; tensors: "
-            f"{held / 2**20:.1f} MiB in the store + {slotted / 2**20:.1f} MiB stacked in the "
+            f"{held / 2**20:.1f} MiB in the store + {slotted / 2**20:.1f} MiB laid out in the "
             "step's slots"
         )
 

@@ -96,11 +96,11 @@ class StepLora:
         for layer in range(len(self.packed[0].layers)):
             for kind in KINDS:
                 for p in self.packed:
-                    pair = p.layers[layer].get(kind)
-                    if pair is None:
+                    a, b = p.layers[layer].get(kind, (None, None))
+                    if isinstance(a, LanesLinear) and isinstance(b, LanesLinear):
+                        lora += [a.lanes, b.lanes]
+                    else:  # the adapter lacks this linear (is_lanes holds for the rest)
                         lora += [none, none]
-                    else:
-                        lora += [pair[0].lanes, pair[1].lanes]  # type: ignore[union-attr]
         return lora, widths
 
 
