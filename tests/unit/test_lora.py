@@ -272,3 +272,34 @@ def test_an_adapter_sequence_may_not_claim_blocks_the_base_computed(
         "sequence lora: block 0 does not hold its tokens 0..7 (num_cached_tokens claims it does)"
     ]
     assert not claim("plain", None).failed  # the base's own chain: the same blocks are its
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_layers_applies_adapters_with_the_bits_of_the_layer_path(
+    models: tuple[Path, list[AdapterRef]], dtype: torch.dtype
+) -> None:
+    """A mixed step runs inside canteen::decode_layers (each adapter's products on its own
+    rows): the hidden states before the head are the Layer loop's bit for bit."""
+    from worker.model.forward import FastModel
+
+    base, adapters = models
+    runner = _runner(base, dtype)
+    model = runner.loaded.forward
+    assert isinstance(model, FastModel) and model.stack is not None
+    stack, norm = model.stack, model.norm
+    assert norm is not None
+    jobs: dict[str, Job] = {f"s{i}": (PROMPTS[i], a) for i, a in enumerate(adapters[:3])}
+    jobs["base"] = (PROMPTS[3], None)
+    seen: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    tokens: dict[bool, dict[str, list[int]]] = {}
+    for use in (True, False):
+        model.stack = stack if use else None
+        model.norm = lambda x, use=use: seen[use].append(x.clone()) or norm(x)  # type: ignore[func-returns-value]
+        tokens[use] = _generate(runner, jobs)[0]
+    model.stack, model.norm = stack, norm
+    step = runner.lora.step([(a, 1) for a in adapters[:3]], torch.device("cpu"))
+    assert step is not None and step.kernel_args() is not None  # the op took the adapters
+    assert tokens[True] == tokens[False]
+    assert len(seen[True]) == len(seen[False]) == NEW
+    for fused, layered in zip(seen[True], seen[False], strict=True):
+        assert torch.equal(fused, layered)

@@ -1,23 +1,20 @@
-"""The adapters a step applies, stacked so one step applies all of them at once.
+"""The adapters a step applies, each to its own rows only.
 
-Up to --max-loras adapters sit in slots. Per layer and fused linear the slots' weights are
-stacked side by side once, when the slots change (not per step):
+Up to --max-loras adapters sit in slots. An adapter's A and B are laid out for the base's
+linear kernel once, when it takes a slot (the others' layouts stay as they are). A step
+groups its rows by adapter (one index tensor per adapter) and computes, per linear:
 
-    A_all [sum of widths, in]     = [A_slot0; A_slot1; ...]
-    B_all [out, sum of widths]    = [B_slot0 | B_slot1 | ...]
+    y = base(x)                                the base linear, once for every row
+    for each adapter g of the step:            a handful of adapters, not rows
+        z = A_g(x[rows_g]) * scale_g           its rows only, its own columns only
+        y[rows_g] = y[rows_g] + B_g(z)         skinny_linear with the residual: one op
 
-and a step computes, for every row at once (no per-row or per-adapter Python loop):
-
-    y = base(x)                                (the base linear, once for all rows)
-    y = y + B_all((x @ A_all^T) * mask)        mask[row] = the row's scale over its adapter's
-                                               columns, 0 elsewhere (base rows: all 0)
-
-Both matmuls are Canteen's skinny_linear where the base uses it (CPU, bfloat16 or float32):
+so a row computes its own adapter's products and nothing else, and base rows none. Both
+matmuls are Canteen's skinny_linear where the base uses it (CPU, bfloat16 or float32):
 each output's sum runs along K in one fixed order whatever the rows beside it, so a row's
-bits do not depend on the step's other rows. In B_all the other slots' columns meet zeros in
-the mask, adding exact zeros; each adapter's columns start on a multiple of SLOT_ALIGN, so
-its own products meet the kernel's pairs and blocks alike wherever it sits: an adapter's rows
-give the same bits alone, beside other adapters, or beside base rows.
+bits depend only on its own input and its adapter: the same alone, beside other adapters
+or beside base rows. ``canteen::decode_layers`` (worker/kernels/stack.cpp) runs the same
+ops per linear in C++ (``StepLora.kernel_args``), the same bits as ``StepLora.apply``.
 """
 
 from __future__ import annotations
@@ -29,35 +26,82 @@ import torch
 from worker.lora.adapter import FUSED, LoraWeights
 from worker.model.quant import LanesLinear, Linear, make_linear
 
+KINDS = tuple(FUSED)  # the order decode_layers takes the linears in: qkv, o, gate_up, down
 
-class _Stacked:
-    """One fused linear's stacked A and B for the current slots."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.a: Linear = make_linear(a, None, "none")
-        self.b: Linear = make_linear(b, None, "none")
+@dataclass(frozen=True)
+class _Packed:
+    """One adapter's linears in the base kernel's layout: per layer, kind -> (A, B)."""
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        z = self.a(x) * mask
-        if isinstance(self.b, LanesLinear):  # y + B(z) in the kernel, the bits of the two ops
-            out: torch.Tensor = torch.ops.canteen.skinny_linear(
-                z, self.b.lanes, self.b.out_features, None, y
-            )
-            return out
-        return y + self.b(z)
+    weights: LoraWeights
+    layers: list[dict[str, tuple[Linear, Linear]]]
+
+    @staticmethod
+    def of(weights: LoraWeights) -> _Packed:
+        layers = [
+            {
+                kind: (make_linear(a[kind], None, "none"), make_linear(b[kind], None, "none"))
+                for kind in a
+            }
+            for a, b in zip(weights.a, weights.b, strict=True)
+        ]
+        return _Packed(weights, layers)
+
+    @property
+    def is_lanes(self) -> bool:
+        """Whether every linear runs on skinny_linear (what decode_layers takes)."""
+        return all(
+            isinstance(lin, LanesLinear) for per in self.layers for p in per.values() for lin in p
+        )
 
 
 @dataclass(frozen=True)
 class StepLora:
-    """A step's adapters: the stacked linears of every layer and one mask per fused linear."""
+    """A step's adapters: per adapter, its rows, its scale and its packed linears."""
 
-    stacked: list[dict[str, _Stacked]]
-    masks: dict[str, torch.Tensor]  # kind -> [tokens, width]
+    rows: list[torch.Tensor]  # per adapter: its flat token indices
+    scales: list[torch.Tensor]  # per adapter: 0-dim, in the activations' dtype
+    packed: list[_Packed]
 
     def apply(self, layer: int, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """``y`` (the base linear of ``x``) plus each row's adapter delta."""
-        stacked = self.stacked[layer].get(kind)
-        return y if stacked is None else stacked(x, y, self.masks[kind])
+        """``y`` (the base linear of ``x``) plus each row's adapter delta, in place."""
+        for rows, scale, packed in zip(self.rows, self.scales, self.packed, strict=True):
+            pair = packed.layers[layer].get(kind)
+            if pair is None:
+                continue
+            a, b = pair
+            z = a(x.index_select(0, rows)) * scale
+            base = y.index_select(0, rows)
+            if isinstance(b, LanesLinear):  # base + B(z) in the kernel: one op, one rounding
+                out = torch.ops.canteen.skinny_linear(z, b.lanes, b.out_features, None, base)
+            else:
+                out = base + b(z)
+            y.index_copy_(0, rows, out)
+        return y
+
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The step as decode_layers takes it, or None where a linear has no lanes layout:
+
+        lora    [rows_0, scale_0, rows_1, scale_1, ...], then per layer, per kind (KINDS),
+                per adapter: A's lanes, B's lanes (two empty tensors where it lacks the kind)
+        widths  per kind, per adapter: A's output features (0 where it lacks the kind)
+        """
+        if not all(p.is_lanes for p in self.packed):
+            return None
+        none = torch.empty(0)
+        lora: list[torch.Tensor] = []
+        for rows, scale in zip(self.rows, self.scales, strict=True):
+            lora += [rows, scale]
+        widths = [p.weights.width.get(kind, 0) for kind in KINDS for p in self.packed]
+        for layer in range(len(self.packed[0].layers)):
+            for kind in KINDS:
+                for p in self.packed:
+                    a, b = p.layers[layer].get(kind, (None, None))
+                    if isinstance(a, LanesLinear) and isinstance(b, LanesLinear):
+                        lora += [a.lanes, b.lanes]
+                    else:  # the adapter lacks this linear (is_lanes holds for the rest)
+                        lora += [none, none]
+        return lora, widths
 
 
 class LoraSlots:
@@ -65,20 +109,20 @@ class LoraSlots:
 
     def __init__(self, max_loras: int, num_layers: int) -> None:
         self.max_loras, self.num_layers = max_loras, num_layers
-        self._slots: list[LoraWeights] = []  # position order (the stacking order)
+        self._slots: list[_Packed] = []  # position order
         self._used: dict[str, int] = {}  # adapter id -> the last step that applied it
         self._clock = 0
-        self._stacked: list[dict[str, _Stacked]] = []
-        self._offsets: dict[str, dict[str, int]] = {}  # kind -> adapter id -> first column
         self.num_evictions = 0
 
     def ids(self) -> list[str]:
-        return [w.adapter_id for w in self._slots]
+        return [p.weights.adapter_id for p in self._slots]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stacked copies the forward reads."""
-        linears = [lin for per in self._stacked for st in per.values() for lin in (st.a, st.b)]
+        """Bytes of the packed copies the forward reads."""
+        linears = [
+            lin for p in self._slots for per in p.layers for pair in per.values() for lin in pair
+        ]
         return sum(
             t.nbytes for lin in linears for t in vars(lin).values() if isinstance(t, torch.Tensor)
         )
@@ -90,61 +134,32 @@ class LoraSlots:
             raise ValueError(f"{len(needed)} adapters in one step; --max-loras is {self.max_loras}")
         self._clock += 1
         wanted = {w.adapter_id for w in needed}
-        placed = {w.adapter_id: i for i, w in enumerate(self._slots)}
+        placed = set(self.ids())
         evicted: list[str] = []
         for weights in needed:
             # an id names one version (its files checked against one digest): a placed id stays
             if weights.adapter_id not in placed:
+                packed = _Packed.of(weights)  # only the new adapter is laid out
                 if len(self._slots) < self.max_loras:
-                    self._slots.append(weights)
+                    self._slots.append(packed)
                 else:
+                    ids = self.ids()
                     i = min(
-                        (j for j, w in enumerate(self._slots) if w.adapter_id not in wanted),
-                        key=lambda j: self._used.get(self._slots[j].adapter_id, 0),
+                        (j for j, a in enumerate(ids) if a not in wanted),
+                        key=lambda j: self._used.get(ids[j], 0),
                     )
-                    evicted.append(self._slots[i].adapter_id)
-                    self._used.pop(self._slots[i].adapter_id, None)
-                    self._slots[i] = weights
-                self._stacked = []  # stale: restacked below
+                    evicted.append(self._slots[i].weights.adapter_id)
+                    self._used.pop(self._slots[i].weights.adapter_id, None)
+                    self._slots[i] = packed
             self._used[weights.adapter_id] = self._clock
         self.num_evictions += len(evicted)
-        if not self._stacked and self._slots:
-            self._restack()
         return evicted
 
-    def _restack(self) -> None:
-        self._offsets = {}
-        for kind in FUSED:
-            offset, columns = 0, {}
-            for w in self._slots:
-                if kind in w.width:
-                    columns[w.adapter_id] = offset
-                    offset += w.width[kind]
-            if columns:
-                self._offsets[kind] = columns
-        stacked: list[dict[str, _Stacked]] = []
-        for layer in range(self.num_layers):
-            per: dict[str, _Stacked] = {}
-            for kind in self._offsets:
-                holders = [w for w in self._slots if kind in w.width]
-                a = torch.cat([w.a[layer][kind] for w in holders])
-                b = torch.cat([w.b[layer][kind] for w in holders], dim=1)
-                per[kind] = _Stacked(a, b)
-            stacked.append(per)
-        self._stacked = stacked
-
     def step(self, rows: dict[str, torch.Tensor], num_tokens: int, dtype: torch.dtype) -> StepLora:
-        """The step's masks for ``rows`` (adapter id -> its flat token indices)."""
-        scales = {w.adapter_id: w.scale for w in self._slots}
-        masks: dict[str, torch.Tensor] = {}
-        device = next(iter(rows.values())).device
-        for kind, columns in self._offsets.items():
-            width = sum(w.width.get(kind, 0) for w in self._slots)
-            mask = torch.zeros(num_tokens, width, dtype=dtype, device=device)
-            for adapter_id, index in rows.items():
-                if adapter_id in columns:
-                    lo = columns[adapter_id]
-                    hi = lo + next(w for w in self._slots if w.adapter_id == adapter_id).width[kind]
-                    mask[index, lo:hi] = scales[adapter_id]
-            masks[kind] = mask
-        return StepLora(self._stacked, masks)
+        """The step's groups for ``rows`` (adapter id -> its flat token indices), in slot order."""
+        present = [p for p in self._slots if p.weights.adapter_id in rows]
+        return StepLora(
+            [rows[p.weights.adapter_id] for p in present],
+            [torch.tensor(p.weights.scale, dtype=dtype) for p in present],
+            present,
+        )

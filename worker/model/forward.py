@@ -296,8 +296,8 @@ class FastModel:
         keep: torch.Tensor,
         lora: StepLora | None = None,
     ) -> torch.Tensor:
-        """``lora``: the step's adapters; a step with adapter rows runs layer by layer
-        (decode_layers has no hook for them; for base rows the two are bit-identical)."""
+        """``lora``: the step's adapters, applied inside decode_layers where every adapter
+        linear has a lanes layout, else layer by layer (the same bits either way)."""
         x = F.embedding(input_ids, self.embed)
         if self.shape.embedding != 1.0:
             x = x * self.shape.embedding
@@ -306,8 +306,9 @@ class FastModel:
         half = sin.shape[-1] // 2
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # signed for _rotate
         stack = self.stack
-        if stack is not None and lora is None:
-            x = self._decode_layers(stack, x, cos, sin, batch)
+        kernel_lora = None if lora is None else lora.kernel_args()
+        if stack is not None and (lora is None or kernel_lora is not None):
+            x = self._decode_layers(stack, x, cos, sin, batch, kernel_lora)
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, layer_view(batch.kv_pool, i), batch, lora)
@@ -315,11 +316,18 @@ class FastModel:
         return logits if self.shape.logits == 1.0 else logits / self.shape.logits
 
     def _decode_layers(
-        self, stack: Stack, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: PagedBatch
+        self,
+        stack: Stack,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        b: PagedBatch,
+        lora: tuple[list[torch.Tensor], list[int]] | None = None,
     ) -> torch.Tensor:
         """Every layer in one op (the Layer ops, bit for bit, without the Python between)."""
         s = self.shape
         groups = [t for g in kernel_groups(b) for t in g]
+        lora_list, lora_widths = ([], []) if lora is None else lora
         out: torch.Tensor = torch.ops.canteen.decode_layers(
             x,
             b.kv_pool,
@@ -334,5 +342,7 @@ class FastModel:
             s.scale,
             stack.eps,
             s.residual,
+            lora_list,
+            lora_widths,
         )
         return out
