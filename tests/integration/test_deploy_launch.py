@@ -34,6 +34,7 @@ from canteen.v1 import inference_pb2, inference_pb2_grpc, registry_pb2, registry
 from tests.support.deploy import (
     CANTEEN_METRICS,
     DOCKERFILE,
+    ON_USE_METRICS,
     ROLES,
     ROOT,
     TEST_API_KEY,
@@ -493,7 +494,7 @@ def scrape(url: str) -> dict[str, tuple[str, set[str]]]:
     families = {}
     for family in text_string_to_metric_families(text):
         base = family.name.removesuffix("_created")
-        if base != family.name and {base, base + "_total"} & set(CANTEEN_METRICS):
+        if base != family.name and {base, base + "_total"} & {*CANTEEN_METRICS, *ON_USE_METRICS}:
             continue  # the creation time of a counter or histogram: part of that family
         if family.name.startswith("canteen_") and family.samples:
             name = family.name + ("_total" if family.type == "counter" else "")
@@ -515,8 +516,10 @@ def check_live_metrics(urls: dict[str, str], bound: float = 30.0) -> None:
             break
         time.sleep(0.5)
     assert not missing, f"not exported, or without samples: {missing}"
+    known = {**CANTEEN_METRICS, **ON_USE_METRICS}
     for module, families in exposed.items():
         for name, (kind, labels) in families.items():
-            assert name in CANTEEN_METRICS, f"{module} exports {name}, not in CANTEEN_METRICS"
-            owner, declared_kind, declared_labels = CANTEEN_METRICS[name]
-            assert (module, kind, labels) == (owner, declared_kind, set(declared_labels)), name
+            assert name in known, f"{module} exports {name}, not in CANTEEN_METRICS"
+            owners, declared_kind, declared_labels = known[name]
+            assert module in owners.split("|"), name
+            assert (kind, labels) == (declared_kind, set(declared_labels)), name

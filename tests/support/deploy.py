@@ -85,6 +85,27 @@ CANTEEN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "canteen_registry_workers": ("registry", "gauge", ("model", "version")),
 }
 
+# Metrics that have samples only once their feature is used (LoRA adapters, constraints, KV
+# tiers): a plain load need not show them, but what a service exports must be one of these or
+# of CANTEEN_METRICS, with this owner (or one of "a|b"), type and labels.
+ON_USE_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "canteen_adapter_requests_total": ("gateway", "counter", ("adapter", "status")),
+    "canteen_adapter_tokens_total": ("gateway", "counter", ("adapter", "kind")),
+    "canteen_grammar_compiles_total": ("gateway|worker", "counter", ("kind", "outcome")),
+    "canteen_scheduler_adapter_requests_total": ("scheduler", "counter", ("adapter", "finish")),
+    "canteen_scheduler_adapter_tokens_total": ("scheduler", "counter", ("adapter", "kind")),
+    "canteen_kv_tier_blocks": ("scheduler", "gauge", ("model", "version", "worker", "tier")),
+    "canteen_kv_tier_capacity_bytes": (
+        "scheduler",
+        "gauge",
+        ("model", "version", "worker", "tier"),
+    ),
+    "canteen_kv_tier_reloads": ("scheduler", "gauge", ("model", "version", "worker", "outcome")),
+    "canteen_worker_lora_loads_total": ("worker", "counter", ("model", "version")),
+    "canteen_worker_lora_evictions_total": ("worker", "counter", ("model", "version", "tier")),
+    "canteen_worker_lora_load_seconds": ("worker", "histogram", ("model", "version")),
+}
+
 
 SERVICE_CONFIGS = {
     "registry": RegistryConfig,
