@@ -9,12 +9,13 @@ request used) to one suite and then to the other, the order alternating round by
 reports output tokens per second (median over rounds) and the ratio default / bfloat16.
 Only one suite computes at a time; the idle one costs memory, not CPU.
 
-llama.cpp (optional: ``pip install llama-cpp-python==0.3.36``, a bench-only dependency) runs
-in this process through its Python API on the same GGUF, n_threads=2, one stream, the same
-prompt token ids (the chat template rendered by the suite's tokenizer), greedy, --tokens new
-tokens; its tokens per second include its prompt's prefill, as the suite's do. Wider llama.cpp
-batches need its own server (llama-server -np N), which the Python package does not ship: not
-measured here. Without the package the llama.cpp column is left out and the report says so.
+llama.cpp runs as its own server (bench/llama_server.py: llama-server on the same GGUF, two
+threads, --parallel slots for the widest N, no prompt cache) on the same prompt token ids (the
+chat template rendered by the suite's tokenizer), greedy, --tokens new tokens, N concurrent
+requests per width, in the same rounds and the same alternating order as the suites; its
+tokens per second include prefill, as the suite's do. Build the binary once with
+scripts/build_llama_server.sh; without it the llama.cpp column is left out and the report
+says so.
 
 The client (N threads reading N streams) runs at nice 19 in a process of its own, as
 bench/throughput.py's does. Wall-clock figures swing on a shared machine: compare the ratios.
@@ -44,12 +45,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import cpu_model
+from bench.llama_server import find_binary, llama_run, llama_server
 from bench.throughput import BLOCK, NicedClient, engine_run, questions, worker_info
 from canteen.models import default_model_path
 from tests.support.suite import default_model_stack
@@ -58,25 +61,17 @@ SIDES = {"default": (), "bfloat16": ("--quantization", "none")}
 WORKER = ("--kv-cache-memory", "1GiB")
 
 
-def llama_cpp_side(path: Path, tokens: int) -> Any:
-    """A function (prompt ids) -> tokens per second on llama.cpp, or None without it."""
-    try:
-        from llama_cpp import Llama  # type: ignore[import-not-found]
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(path), n_threads=2, n_ctx=1024, verbose=False)
-
-    def run(prompt: list[int]) -> float:
-        llm.reset()
-        start = time.perf_counter()
-        produced = 0
-        for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            produced += 1
-            if produced == tokens:
-                break
-        return produced / (time.perf_counter() - start)
-
-    return run
+@contextlib.contextmanager
+def llama_side(path: Path, widths: list[int], report: dict[str, Any]) -> Iterator[str | None]:
+    """llama-server's URL for the bench's widths, or None when the binary is not built."""
+    if find_binary() is None:
+        report["llama_cpp"] = "not built (scripts/build_llama_server.sh)"
+        yield None
+        return
+    report["llama_cpp"] = f"llama-server -t 2 --parallel {max(widths)}, no prompt cache"
+    with llama_server(path, max(widths)) as url:
+        llama_run(url, [prompt_ids(path, "warm up")], 4)
+        yield url
 
 
 @functools.cache
@@ -110,20 +105,22 @@ def engine_rates(path: Path, widths: list[int], tokens: int, rounds: int) -> dic
         blocks = max(widths) * -(-(200 + tokens) // BLOCK)
         runners[name] = ModelRunner(loaded, RunnerConfig(blocks, BLOCK, 2048))
         engine_run(runners[name], [prompt_ids(path, "warm up")], 4)
-    llama = llama_cpp_side(path, tokens) if 1 in widths else None
     rates: dict[Any, list[float]] = {}
-    for r in range(rounds):
-        for n in widths:
-            prompts = [prompt_ids(path, t) for t in questions(n, f"round {r}")]
-            for name in list(SIDES) if r % 2 == 0 else list(SIDES)[::-1]:
-                rate, step_ms = engine_run(runners[name], prompts, tokens)
-                rates.setdefault((name, n), []).append(rate)
-                rates.setdefault((f"{name} step ms", n), []).append(step_ms)
-            if llama is not None and n == 1:
-                rates.setdefault(("llama.cpp", 1), []).append(llama(prompts[0]))
-            print(f"round {r} streams {n}: " + ", ".join(
-                f"{k[0]} {v[-1]:.1f}" for k, v in rates.items() if k[1] == n
-            ), flush=True)  # fmt: skip
+    with llama_side(path, widths, {}) as llama:
+        order = list(SIDES) + (["llama.cpp"] if llama else [])
+        for r in range(rounds):
+            for n in widths:
+                prompts = [prompt_ids(path, t) for t in questions(n, f"round {r}")]
+                for name in order if r % 2 == 0 else order[::-1]:
+                    if name == "llama.cpp":
+                        rates.setdefault((name, n), []).append(llama_run(llama, prompts, tokens))
+                        continue
+                    rate, step_ms = engine_run(runners[name], prompts, tokens)
+                    rates.setdefault((name, n), []).append(rate)
+                    rates.setdefault((f"{name} step ms", n), []).append(step_ms)
+                print(f"round {r} streams {n}: " + ", ".join(
+                    f"{k[0]} {v[-1]:.1f}" for k, v in rates.items() if k[1] == n
+                ), flush=True)  # fmt: skip
     return rates
 
 
@@ -230,19 +227,18 @@ def suite_rates(
             print(f"{name}: {info.dtype} {info.quantization} ({info.dtype_reason})", flush=True)
             addresses[name] = stack.gateway.address
             client.run(stack.gateway.address, questions(2, f"warm {name}"), 4)
-        llama = llama_cpp_side(path, args.tokens) if 1 in widths else None
-        report["llama_cpp"] = "llama_cpp.Llama, n_threads=2" if llama else "not installed"
-        order = list(SIDES)
+        llama = stacks.enter_context(llama_side(path, widths, report))
+        order = list(SIDES) + (["llama.cpp"] if llama else [])
         for r in range(args.rounds):
             for n in widths:
                 for name in order if r % 2 == 0 else order[::-1]:
                     texts = questions(n, f"{name} round {r}")
-                    rates.setdefault((name, n), []).append(
-                        client.run(addresses[name], texts, args.tokens)
-                    )
-                if llama is not None and n == 1:
-                    prompt = prompt_ids(path, questions(1, f"llama round {r}")[0])
-                    rates.setdefault(("llama.cpp", 1), []).append(llama(prompt))
+                    if name == "llama.cpp":
+                        prompts = [prompt_ids(path, t) for t in texts]
+                        rate = client.submit(llama_run, llama, prompts, args.tokens)
+                    else:
+                        rate = client.run(addresses[name], texts, args.tokens)
+                    rates.setdefault((name, n), []).append(rate)
                 print(f"round {r} streams {n}: " + ", ".join(
                     f"{k[0]} {v[-1]:.1f}" for k, v in rates.items() if k[1] == n
                 ), flush=True)  # fmt: skip

@@ -140,6 +140,10 @@ class NicedClient:
     def run(self, address: str, texts: list[str], tokens: int) -> float:
         return self._pool.submit(suite_run, address, texts, tokens).result()
 
+    def submit(self, fn: Callable[..., float], *args: Any) -> float:
+        """Any module-level client function, in the same niced process."""
+        return self._pool.submit(fn, *args).result()
+
     def latency(self, address: str, text: str, tokens: int) -> tuple[float, float, float]:
         return self._pool.submit(suite_latency, address, text, tokens).result()
 
