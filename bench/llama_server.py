@@ -50,7 +50,7 @@ def llama_server(model: Path, slots: int, context_per_slot: int = 512) -> Iterat
     command = [
         binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
         "-t", "2", "-tb", "2", "--parallel", str(slots), "-c", str(slots * context_per_slot),
-        "--no-webui", "--log-disable",
+        "--no-webui", "--log-disable", "--cache-ram", "0",
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
