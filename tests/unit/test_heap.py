@@ -1,0 +1,52 @@
+"""Once a service is ready, its start-up heap is out of the collector's sight, and a slow
+collection is logged (canteen/heap.py)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from canteen import heap
+
+
+@pytest.fixture
+def fresh_heap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process's collector as it was: nothing frozen, no watcher, after the test too."""
+    gc.unfreeze()
+    monkeypatch.setattr(heap, "_is_frozen", False)
+    callbacks = list(gc.callbacks)
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.callbacks[:] = callbacks
+
+
+def test_ready_freezes_what_start_up_built_once(fresh_heap: None) -> None:
+    start_up = [[i] for i in range(50_000)]  # containers: what the collector walks
+    heap.freeze_startup_heap()
+    frozen = gc.get_freeze_count()
+    assert frozen >= len(start_up)
+    assert not any(o is start_up for o in gc.get_objects(2))  # no generation holds it now
+    assert gc.callbacks.count(heap._watch) == 1
+    heap.freeze_startup_heap()  # readiness flipped again: nothing more is frozen or watched
+    assert gc.get_freeze_count() == frozen
+    assert gc.callbacks.count(heap._watch) == 1
+
+
+def test_a_collection_over_the_limit_is_logged_with_its_generation(
+    fresh_heap: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    heap.freeze_startup_heap()
+    monkeypatch.setattr(heap, "SLOW_COLLECTION_MS", -1.0)  # every collection is "slow"
+    with structlog.testing.capture_logs() as logs:
+        gc.collect(1)
+    slow = [e for e in logs if e["event"] == "slow garbage collection"]
+    assert [e["generation"] for e in slow] == [1]
+    monkeypatch.setattr(heap, "SLOW_COLLECTION_MS", 1e9)
+    with structlog.testing.capture_logs() as logs:
+        gc.collect(1)
+    assert logs == []
