@@ -11,7 +11,9 @@ model (scheduler/cost.py, --max-step-stall 1.5) sizes from these steps' CPU time
 the decode-only steps' median and the worst (and 90th percentile) step with a chunk over it,
 in process-CPU time, and with ``--verbose`` one JSON line per step with a chunk (its
 position, wall and CPU ms), so a step's cost can be read against its chunk's position.
-``--repeat 2`` runs it twice (the second warm, the cost model keeps what it learned);
+``--blind-cost`` sizes them as the model did before it told decode-only steps apart (for a
+side-by-side run). ``--repeat 2`` runs it twice (the second warm, the cost model keeps what
+it learned);
 ``--threads 1`` with ``OMP_NUM_THREADS=1`` makes CPU time one core's work, the figure that
 holds up on a loaded host. Example:
 ``OMP_NUM_THREADS=1 python bench/step_probe.py --interference 16 --threads 1 --repeat 2``.
@@ -28,6 +30,7 @@ import argparse
 import gc
 import json
 import statistics
+import threading
 import time
 
 import torch
@@ -63,14 +66,15 @@ class GcClock:
 
     def __init__(self) -> None:
         self.ms = 0.0
-        self._started = 0.0
+        self._started = (0, 0.0)  # the collecting thread, its CPU time then
         gc.callbacks.append(self._on)
 
     def _on(self, phase: str, _info: dict[str, int]) -> None:
+        thread = threading.get_ident()
         if phase == "start":
-            self._started = time.thread_time()
-        else:
-            self.ms += (time.thread_time() - self._started) * 1e3
+            self._started = (thread, time.thread_time())
+        elif self._started[0] == thread:  # one thread's clock at both ends
+            self.ms += (time.thread_time() - self._started[1]) * 1e3
 
 
 GC = GcClock()
@@ -120,11 +124,12 @@ def stream_tokens(prompt: int, chunk: int) -> int:
 
 
 def interference_steps(
-    runner: ModelRunner, prompt: int, chunk: int, cost: StepCostModel
+    runner: ModelRunner, prompt: int, chunk: int, cost: StepCostModel, blind: bool = False
 ) -> list[dict[str, float]]:
     """8 decodes per step; after 8 decode-only steps a ``prompt``-token prompt joins in
     ``chunk``-token chunks, or (chunk 0) in chunks the scheduler's cost model sizes from
-    these steps' CPU times. One record per step: the chunk's position (-1: none), ms."""
+    these steps' CPU times (``blind``: not told which steps were decode-only, the model
+    before it kept them apart). One record per step: the chunk's position (-1: none), ms."""
     runner.reset()
     per = runner.blocks_for(stream_tokens(prompt, chunk))
     seqs = tuple(
@@ -158,7 +163,8 @@ def interference_steps(
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         if result.failed:
             raise RuntimeError(f"step {step} refused: {result.failed}")
-        cost.observe(8 + n, cpu, decode_keys + chunk_keys(n, max(done, 0)))
+        told = None if blind else n == 0  # the batcher tells decode-only steps apart
+        cost.observe(8 + n, cpu, decode_keys + chunk_keys(n, max(done, 0)), told)
         records.append(
             {
                 "pos": done if n else -1,
@@ -198,6 +204,11 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help="--interference: every step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument(
+        "--blind-cost",
+        action="store_true",
+        help="--interference 0: do not tell the cost model which steps were decode-only",
+    )
+    parser.add_argument(
         "--no-freeze", action="store_true", help="leave the model's objects to the collector"
     )
     args = parser.parse_args()
@@ -221,7 +232,9 @@ def main() -> None:
         cost = StepCostModel(max_stall=1.5, min_chunk=16)  # the scheduler's defaults
         with torch.inference_mode():
             for _ in range(args.repeat):
-                records = interference_steps(runner, args.prompt, args.interference, cost)
+                records = interference_steps(
+                    runner, args.prompt, args.interference, cost, args.blind_cost
+                )
                 only = [r["cpu_ms"] for r in records if r["n"] == 0]
                 chunks = [r["cpu_ms"] for r in records if r["n"]]
                 decode = statistics.median(only)
@@ -235,6 +248,10 @@ def main() -> None:
                             "steps_with_a_chunk": len(chunks),
                             "worst_chunk_step_cpu_over_decode": max(chunks) / decode,
                             "p90_chunk_step_cpu_over_decode": sorted(chunks)[len(chunks) * 9 // 10]
+                            / decode,
+                            "p99_chunk_step_cpu_over_decode": sorted(chunks)[
+                                len(chunks) * 99 // 100
+                            ]
                             / decode,
                             "worst_step_gc_ms": max(r["gc_ms"] for r in records),
                             "steps_with_gc_over_20ms": sum(r["gc_ms"] > 20 for r in records),
