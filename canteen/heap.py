@@ -10,7 +10,12 @@ sight (``gc.freeze``, as production Python servers do after start-up, vLLM's eng
 included); a full collection then walks only what was made since (0.0 ms right after).
 
 Collections that still take over ``SLOW_COLLECTION_MS`` are logged with their generation and
-duration, so that a stall can be told apart from a slow step in the services' logs.
+duration, so that a stall can be told apart from a slow step in the services' logs. What
+loads after readiness is as long-lived: the worker builds its grammar tokenizer on a thread
+once ready (worker/engine/constrain.py), and its full collections then took 120, 210, 302,
+345 ms, growing, freeing nothing. So a slow full collection that freed (almost) nothing
+freezes what it walked too, at most ``MAX_LATE_FREEZES`` times (what is frozen is never
+collected: a cycle among those objects that dies later stays, so this stays rare).
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from canteen.logging import get_logger
 log = get_logger(__name__)
 
 SLOW_COLLECTION_MS = 20.0
+MAX_LATE_FREEZES = 4
+MOSTLY_LIVE = 100  # a full collection that freed at most this many objects walked live ones
 
 _started_ns = 0
 _is_frozen = False
+_num_late_freezes = 0
 
 
 def freeze_startup_heap() -> None:
@@ -47,15 +55,23 @@ def freeze_startup_heap() -> None:
 
 
 def _watch(phase: str, info: dict[str, int]) -> None:
-    global _started_ns
+    global _started_ns, _num_late_freezes
     if phase == "start":
         _started_ns = time.perf_counter_ns()
         return
     ms = (time.perf_counter_ns() - _started_ns) / 1e6
-    if ms > SLOW_COLLECTION_MS:
-        log.warning(
-            "slow garbage collection",
-            generation=info.get("generation"),
-            ms=round(ms, 1),
-            num_collected=info.get("collected"),
-        )
+    if ms <= SLOW_COLLECTION_MS:
+        return
+    generation, collected = info.get("generation"), info.get("collected", 0)
+    late = generation == 2 and collected <= MOSTLY_LIVE and _num_late_freezes < MAX_LATE_FREEZES
+    if late:  # it walked long-lived objects made since the start-up freeze
+        _num_late_freezes += 1
+        gc.freeze()
+    log.warning(
+        "slow garbage collection",
+        generation=generation,
+        ms=round(ms, 1),
+        num_collected=collected,
+        is_frozen_after=late,
+        num_frozen=gc.get_freeze_count(),
+    )

@@ -17,6 +17,7 @@ def fresh_heap(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """This process's collector as it was: nothing frozen, no watcher, after the test too."""
     gc.unfreeze()
     monkeypatch.setattr(heap, "_is_frozen", False)
+    monkeypatch.setattr(heap, "_num_late_freezes", 0)
     callbacks = list(gc.callbacks)
     try:
         yield
@@ -45,8 +46,34 @@ def test_a_collection_over_the_limit_is_logged_with_its_generation(
     with structlog.testing.capture_logs() as logs:
         gc.collect(1)
     slow = [e for e in logs if e["event"] == "slow garbage collection"]
-    assert [e["generation"] for e in slow] == [1]
+    assert [(e["generation"], e["is_frozen_after"]) for e in slow] == [(1, False)]
     monkeypatch.setattr(heap, "SLOW_COLLECTION_MS", 1e9)
     with structlog.testing.capture_logs() as logs:
         gc.collect(1)
     assert logs == []
+
+
+def test_a_slow_full_collection_of_live_objects_freezes_them_a_bounded_number_of_times(
+    fresh_heap: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What loads after readiness (the worker's grammar tokenizer) is as long-lived as
+    start-up's heap: the first slow full collection that frees nothing freezes it."""
+    heap.freeze_startup_heap()
+    frozen = gc.get_freeze_count()
+    loaded_later = [[i] for i in range(20_000)]
+    monkeypatch.setattr(heap, "SLOW_COLLECTION_MS", -1.0)
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(heap.MAX_LATE_FREEZES + 2):
+            gc.collect()
+    assert gc.get_freeze_count() >= frozen + len(loaded_later)
+    slow = [e for e in logs if e["event"] == "slow garbage collection"]
+    assert [e["is_frozen_after"] for e in slow] == [True] * heap.MAX_LATE_FREEZES + [False] * 2
+    # A full collection that frees garbage is not a reason to freeze what it walked.
+    monkeypatch.setattr(heap, "_num_late_freezes", 0)
+    for _ in range(heap.MOSTLY_LIVE + 1):
+        cycle: list[object] = []
+        cycle.append(cycle)
+        del cycle
+    with structlog.testing.capture_logs() as logs:
+        gc.collect()
+    assert [e["is_frozen_after"] for e in logs] == [False]
