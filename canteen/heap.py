@@ -9,7 +9,7 @@ lives as long as the process, so once a service is ready it is moved out of the 
 sight (``gc.freeze``, as production Python servers do after start-up, vLLM's engine
 included); a full collection then walks only what was made since (0.0 ms right after).
 
-Collections that still take over ``SLOW_COLLECTION_MS`` are logged with their generation and
+Full collections that still take over ``SLOW_COLLECTION_MS`` are logged with their generation and
 duration, so that a stall can be told apart from a slow step in the services' logs. What
 loads after readiness is as long-lived: the worker builds its grammar tokenizer on a thread
 once ready (worker/engine/constrain.py), and its full collections then took 120, 210, 302,
@@ -60,10 +60,12 @@ def _watch(phase: str, info: dict[str, int]) -> None:
         _started_ns = time.perf_counter_ns()
         return
     ms = (time.perf_counter_ns() - _started_ns) / 1e6
-    if ms <= SLOW_COLLECTION_MS:
-        return
     generation, collected = info.get("generation"), info.get("collected", 0)
-    late = generation == 2 and collected <= MOSTLY_LIVE and _num_late_freezes < MAX_LATE_FREEZES
+    # Younger generations walk at most a few thousand objects: a slow one was the host
+    # taking the core away, not the heap.
+    if generation != 2 or ms <= SLOW_COLLECTION_MS:
+        return
+    late = collected <= MOSTLY_LIVE and _num_late_freezes < MAX_LATE_FREEZES
     if late:  # it walked long-lived objects made since the start-up freeze
         _num_late_freezes += 1
         gc.freeze()
