@@ -11,17 +11,26 @@ model (scheduler/cost.py, --max-step-stall 1.5) sizes from these steps' CPU time
 the decode-only steps' median and the worst (and 90th percentile) step with a chunk over it,
 in process-CPU time, and with ``--verbose`` one JSON line per step with a chunk (its
 position, wall and CPU ms), so a step's cost can be read against its chunk's position.
-``--repeat 2`` runs it twice (the second warm, the cost model keeps what it learned);
+``--blind-cost`` sizes them as the model did before it told decode-only steps apart (for a
+side-by-side run). ``--repeat 2`` runs it twice (the second warm, the cost model keeps what
+it learned);
 ``--threads 1`` with ``OMP_NUM_THREADS=1`` makes CPU time one core's work, the figure that
 holds up on a loaded host. Example:
 ``OMP_NUM_THREADS=1 python bench/step_probe.py --interference 16 --threads 1 --repeat 2``.
+
+Like a worker once ready (canteen/heap.py), the probe freezes the heap the model load built
+before it steps; ``--no-freeze`` leaves it to Python's collector, whose full collections then
+walk the whole model's objects inside whichever step set them off. Each step's record has
+``gc_ms``, the CPU time the collector ran inside it, and the summary the worst step's.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
+import threading
 import time
 
 import torch
@@ -36,9 +45,39 @@ try:
 except ImportError:  # revisions before worker/ was grouped (bench/revisions.py --base)
     from worker.loader import LoadedModel, choose_dtype, load_model  # type: ignore[no-redef]
     from worker.runner import ModelRunner  # type: ignore[no-redef]
+try:
+    from worker.model.loader import choose_quantization
+except ImportError:  # revisions before --quantization auto: their default was none
+
+    def choose_quantization(
+        requested: str, path: str, fmt: str, device: torch.device, dtype: str = "auto"
+    ) -> tuple[str, str]:
+        return ("none" if requested == "auto" else requested), ""
+
 
 BLOCK = 16
 MAX_BATCHED = 2048
+
+
+class GcClock:
+    """CPU milliseconds the cyclic garbage collector has run so far (gc.callbacks; the
+    collector runs on the thread that set it off, so that thread's CPU time, which a loaded
+    host does not stretch)."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._started = (0, 0.0)  # the collecting thread, its CPU time then
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, _info: dict[str, int]) -> None:
+        thread = threading.get_ident()
+        if phase == "start":
+            self._started = (thread, time.thread_time())
+        elif self._started[0] == thread:  # one thread's clock at both ends
+            self.ms += (time.thread_time() - self._started[1]) * 1e3
+
+
+GC = GcClock()
 
 
 def decode_ms(runner: ModelRunner, batch: int, steps: int) -> float:
@@ -85,11 +124,12 @@ def stream_tokens(prompt: int, chunk: int) -> int:
 
 
 def interference_steps(
-    runner: ModelRunner, prompt: int, chunk: int, cost: StepCostModel
+    runner: ModelRunner, prompt: int, chunk: int, cost: StepCostModel, blind: bool = False
 ) -> list[dict[str, float]]:
     """8 decodes per step; after 8 decode-only steps a ``prompt``-token prompt joins in
     ``chunk``-token chunks, or (chunk 0) in chunks the scheduler's cost model sizes from
-    these steps' CPU times. One record per step: the chunk's position (-1: none), ms."""
+    these steps' CPU times (``blind``: not told which steps were decode-only, the model
+    before it kept them apart). One record per step: the chunk's position (-1: none), ms."""
     runner.reset()
     per = runner.blocks_for(stream_tokens(prompt, chunk))
     seqs = tuple(
@@ -118,14 +158,21 @@ def interference_steps(
         if n:
             items.append(ScheduledSequence("p", n))
             new = (long,) if done == 0 else ()
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, collected = time.perf_counter(), time.process_time(), GC.ms
         result = runner.step(StepPlan(step, new, tuple(items)))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         if result.failed:
             raise RuntimeError(f"step {step} refused: {result.failed}")
-        cost.observe(8 + n, cpu, decode_keys + chunk_keys(n, max(done, 0)))
+        told = None if blind else n == 0  # the batcher tells decode-only steps apart
+        cost.observe(8 + n, cpu, decode_keys + chunk_keys(n, max(done, 0)), told)
         records.append(
-            {"pos": done if n else -1, "n": n, "wall_ms": wall * 1e3, "cpu_ms": cpu * 1e3}
+            {
+                "pos": done if n else -1,
+                "n": n,
+                "wall_ms": wall * 1e3,
+                "cpu_ms": cpu * 1e3,
+                "gc_ms": GC.ms - collected,
+            }
         )
         done, step, context = (done + n if n else done + 1), step + 1, context + 1
     return records
@@ -146,7 +193,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,32")
     parser.add_argument("--prompt", type=int, default=2000)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--quantization", default="none")
+    parser.add_argument(
+        "--quantization", default="auto", help="as the worker's flag (auto: its default)"
+    )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument(
         "--interference", type=int, help="chunk size, 0: sized by the cost model (see above)"
@@ -154,25 +203,38 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="--interference: every step")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument(
+        "--blind-cost",
+        action="store_true",
+        help="--interference 0: do not tell the cost model which steps were decode-only",
+    )
+    parser.add_argument(
+        "--no-freeze", action="store_true", help="leave the model's objects to the collector"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cpu")
-    dtype, _ = choose_dtype(args.dtype, device, args.quantization)
-    loaded = load_model(
-        str(default_model_path()), "gguf", "", device, dtype, False, quantization=args.quantization
-    )
+    path = str(default_model_path())
+    quantization, _ = choose_quantization(args.quantization, path, "gguf", device, args.dtype)
+    dtype, _ = choose_dtype(args.dtype, device, quantization)
+    loaded = load_model(path, "gguf", "", device, dtype, False, quantization=quantization)
     batches = [int(b) for b in args.batches.split(",")]
     num_blocks = max(max(batches) * 4, -(-args.prompt // BLOCK) + 2)
     if args.interference is not None:  # 8 decoding sequences beside the prompt
         num_blocks += 8 * (-(-stream_tokens(args.prompt, args.interference) // BLOCK))
     runner = make_runner(loaded, num_blocks)
+    if not args.no_freeze:  # what canteen/heap.py does once a worker is ready
+        gc.collect()
+        gc.freeze()
     out: dict[str, float] = {}
     if args.interference is not None:
         cost = StepCostModel(max_stall=1.5, min_chunk=16)  # the scheduler's defaults
         with torch.inference_mode():
             for _ in range(args.repeat):
-                records = interference_steps(runner, args.prompt, args.interference, cost)
+                records = interference_steps(
+                    runner, args.prompt, args.interference, cost, args.blind_cost
+                )
                 only = [r["cpu_ms"] for r in records if r["n"] == 0]
                 chunks = [r["cpu_ms"] for r in records if r["n"]]
                 decode = statistics.median(only)
@@ -187,6 +249,12 @@ def main() -> None:
                             "worst_chunk_step_cpu_over_decode": max(chunks) / decode,
                             "p90_chunk_step_cpu_over_decode": sorted(chunks)[len(chunks) * 9 // 10]
                             / decode,
+                            "p99_chunk_step_cpu_over_decode": sorted(chunks)[
+                                len(chunks) * 99 // 100
+                            ]
+                            / decode,
+                            "worst_step_gc_ms": max(r["gc_ms"] for r in records),
+                            "steps_with_gc_over_20ms": sum(r["gc_ms"] > 20 for r in records),
                         }
                     )
                 )

@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from canteen.heap import freeze_startup_heap
 from canteen.logging import get_logger
 from canteen.tls import Policy, peer_role
 
@@ -242,6 +243,9 @@ class ServiceRuntime:
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         await self.health.set(self.service_name, status)
+        if is_ready:
+            # what start-up built lives as long as the process: no full collection walks it
+            freeze_startup_heap()
 
     async def start(self, reflected_services: Iterable[str]) -> int:
         names = [

@@ -207,7 +207,8 @@ class BatchScheduler:
         self._last_result_at = now
         current = {i: e.seq for i, e in entries.items() if e.is_current}
         keys = sum(chunk_keys(entries[i].num_tokens, s.num_computed) for i, s in current.items())
-        observe_step(self.cost, self.speculation, plan, result, since, keys)
+        decode_only = all(s.num_computed >= len(s.prompt_ids) for s in current.values())
+        observe_step(self.cost, self.speculation, plan, result, since, keys, decode_only)
         refused = {f.seq_id: f for f in result.failed}
         retry = self.kv.settle(result, current, set(refused))
         made = Counter(t.seq_id for t in result.tokens)

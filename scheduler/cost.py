@@ -27,6 +27,16 @@ k`` (``k``: the keys the step's queries attend over, counted by the batcher), on
 different key counts were seen, and sizes a chunk at the prompt's position: the largest chunk
 whose extra time stays within the bound. Without a trusted key term the plain line sizes it.
 
+The bound is held against the decode step as measured, not as the line puts it: a step
+that carries any chunk costs more than its tokens' share (the int4 kernel reads its weights
+once more for each register tile of rows, and the attention runs a group more), so a line
+fitted to chunk steps puts a decode-only step higher than it is (by ~10% on the Zen 4 of
+README, Speed: 8 decodes plus one token at position 1,800 take 1.26x a decode step, each
+further token ~0.25x), and a bound taken from the line let chunk steps run that much over
+it. So the model keeps the recent decode-only steps' mean apart (moved to the step's decodes
+and keys by the fitted slopes) and holds the step's whole estimate to ``max_stall`` times
+the lower of the two.
+
 ``min_chunk`` is the probe: the chunk a step carries while its cost is not known yet. Once it
 is, the bound alone sizes the chunk, one token at least (the prompt always progresses). A
 floor of ``min_chunk`` tokens would break the bound by itself: on the AMD EPYC (Zen 4) of
@@ -71,20 +81,54 @@ class StepCostModel:
         self._slope: float | None = None  # b of the last trusted line
         self._key_slopes: tuple[float, float] | None = None  # b, c of the last trusted fit
         self._suspect: list[tuple[int, float, int]] = []
+        # decayed sums of the decode-only steps: weight, tokens, keys, seconds
+        self._decodes = (0.0, 0.0, 0.0, 0.0)
+        # decayed sums of what steps with prompt tokens took over the line's estimate
+        self._excess = (0.0, 0.0)
 
-    def observe(self, num_tokens: int, seconds: float, num_keys: int = 0) -> None:
-        """One step's time: ``num_tokens`` computed, ``num_keys`` keys read by their queries.
-        A step over ``OUTLIER`` times its estimate waits until ``OUTLIER_RUN`` in a row."""
+    def observe(
+        self,
+        num_tokens: int,
+        seconds: float,
+        num_keys: int = 0,
+        is_decode_only: bool | None = None,
+    ) -> None:
+        """One step's time: ``num_tokens`` computed, ``num_keys`` keys read by their queries;
+        ``is_decode_only``: every sequence computed its one newest token (no prompt, no
+        drafts), False: some prompt's tokens too, None: not told. A step over ``OUTLIER``
+        times its estimate waits until ``OUTLIER_RUN`` in a row."""
         expected = self.estimate(num_tokens, num_keys)
         if expected is None or seconds <= OUTLIER * expected:
             self._suspect.clear()  # the suspects before a step like this one were spikes
             self._learn(num_tokens, seconds, num_keys)
+            d = DECAY
+            if is_decode_only:
+                w, n, k, t = self._decodes
+                self._decodes = (w * d + 1, n * d + num_tokens, k * d + num_keys, t * d + seconds)
+            elif is_decode_only is not None and expected is not None:
+                w, excess = self._excess
+                self._excess = (w * d + 1, excess * d + seconds - expected)
             return
         self._suspect.append((num_tokens, seconds, num_keys))
         if len(self._suspect) >= OUTLIER_RUN:
             for step in self._suspect:
                 self._learn(*step)
             self._suspect.clear()
+
+    def measured_decode(self, num_decodes: int, decode_keys: int, b: float, c: float) -> float:
+        """A decode-only step of ``num_decodes`` over ``decode_keys`` keys as the recent ones
+        took, moved to these counts by the slopes ``b`` and ``c``; infinite before any."""
+        w, n, k, t = self._decodes
+        if w == 0:
+            return math.inf
+        return (t + b * (num_decodes * w - n) + c * (decode_keys * w - k)) / w
+
+    def chunk_excess(self) -> float:
+        """Seconds a step with prompt tokens recently took beyond the line's estimate (at
+        least 0): the fixed cost of carrying a chunk, which a line through decode-only and
+        chunk steps alike spreads over its slopes."""
+        w, excess = self._excess
+        return max(excess / w, 0.0) if w else 0.0
 
     def estimate(self, num_tokens: int, num_keys: int = 0) -> float | None:
         """Seconds a step of ``num_tokens`` over ``num_keys`` keys should take, or None while
@@ -195,14 +239,17 @@ class StepCostModel:
         if with_keys is not None:
             a, b, c = with_keys
             decode = a + b * num_decodes + c * decode_keys
-            extra = (self.max_stall * ratio - 1) * decode
-            budget = largest_chunk(extra, b, c, position)
+            measured = self.measured_decode(num_decodes, decode_keys, b, c)
+            extra = self.max_stall * ratio * min(decode, measured) - decode - self.chunk_excess()
+            budget = largest_chunk(max(extra, 0.0), b, c, position)
             budget = min(budget, int(2 * ratio * self._last_budget))
         elif fitted is None:
             budget = int(self.min_chunk * ratio)  # small probes until the line is known
         else:
             a, b = fitted
-            target = self.max_stall * ratio * (a + b * num_decodes)
+            decode = a + b * num_decodes
+            measured = self.measured_decode(num_decodes, decode_keys, b, 0.0)
+            target = self.max_stall * ratio * min(decode, measured) - self.chunk_excess()
             budget = max(int((target - a) / b) - num_decodes, 1)
             budget = min(budget, int(2 * ratio * self._last_budget))
         # Noise may at most double the budget of the last step, whatever the ratio was.

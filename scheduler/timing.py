@@ -18,9 +18,11 @@ def observe_step(
     result: StepResult,
     since: float | None,
     num_keys: int = 0,
+    is_decode_only: bool = False,
 ) -> None:
     """Feeds the cost model and the speculation rule; ``since``: seconds since the previous
-    result arrived (None for the first); ``num_keys``: keys the step's queries read."""
+    result arrived (None for the first); ``num_keys``: keys the step's queries read;
+    ``is_decode_only``: every sequence computed its newest token, none a prompt's."""
     if result.total_ns <= 0 or not plan.scheduled:
         return
     seconds, computed = result.total_ns / 1e9, plan.num_tokens + result.num_draft_tokens
@@ -36,7 +38,8 @@ def observe_step(
             estimated_ms=None if expected is None else round(expected * 1e3, 2),
             took_ms=round(seconds * 1e3, 2),
         )
-        cost.observe(computed, seconds, num_keys)
+        plain = is_decode_only and not result.num_draft_tokens
+        cost.observe(computed, seconds, num_keys, plain)
     drafted = any(s.num_draft_tokens for s in plan.scheduled)
     speculation.observe(
         len(plan.scheduled) if plan.kind == "decode" else 0,

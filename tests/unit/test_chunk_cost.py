@@ -184,3 +184,75 @@ def test_jitter_is_not_taken_for_a_key_term() -> None:
     plain = int((1.5 * (a + 8 * b) - a) / b) - 8
     assert plain >= 8
     assert model.prefill_budget(8, position=1900, decode_keys=800) == min(plain, 32)
+
+
+J = 0.008  # what a step costs more for carrying any chunk at all (a kernel tile, a group)
+JUMP_STEPS = [
+    (8, 800, False),
+    (8, 810, False),
+    (8, 815, False),
+    (24, 1500, True),
+    (8, 820, False),
+    (40, 9000, True),
+    (8, 840, False),
+    (24, 30000, True),
+    (72, 4000, True),
+    (16, 20000, True),
+    (12, 600, True),
+]
+
+
+def with_jump(num_tokens: int, num_keys: int, has_chunk: bool) -> float:
+    return seconds(num_tokens, num_keys) + (J if has_chunk else 0.0)
+
+
+def taught_with_jump(is_told: bool) -> StepCostModel:
+    """The default bound, taught steps whose chunks cost J on top of the line; ``is_told``:
+    each step says whether it was decode-only, as the batcher's do."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    for n, k, has_chunk in JUMP_STEPS:
+        model.observe(n, with_jump(n, k, has_chunk), k, (not has_chunk) if is_told else None)
+    return model
+
+
+def test_a_chunk_steps_fixed_cost_is_kept_within_the_bound() -> None:
+    decode = with_jump(8, 800, False)  # 56.8 ms
+    # Told apart, chunk steps ran 5.4 ms over the line on average: the chunks shrink so
+    # that the step, fixed cost included, stays under 1.5 x the decode step.
+    told = taught_with_jump(is_told=True)
+    assert told.chunk_excess() == pytest.approx(0.005355, abs=1e-6)
+    assert told.prefill_budget(8, position=0, decode_keys=800) == 9
+    assert told.prefill_budget(8, position=1900, decode_keys=800) == 4
+    assert with_jump(8 + 9, 800 + chunk_keys(9, 0), True) / decode == pytest.approx(1.4585, 1e-4)
+    assert with_jump(12, 800 + chunk_keys(4, 1900), True) / decode == pytest.approx(1.4157, 1e-4)
+    # Not told (the line alone): 13 and 6 tokens, steps 1.60x and 1.55x the decode step.
+    blind = taught_with_jump(is_told=False)
+    assert blind.prefill_budget(8, position=0, decode_keys=800) == 13
+    assert blind.prefill_budget(8, position=1900, decode_keys=800) == 6
+    assert with_jump(21, 800 + chunk_keys(13, 0), True) / decode == pytest.approx(1.6002, 1e-4)
+
+
+def slower_line_faster_decodes(is_told: bool | None) -> StepCostModel:
+    """The default bound's model, then five decode-only steps that ran 10% under the line."""
+    model = taught_at(1.5)
+    for _ in range(5):
+        model.observe(8, 0.9 * seconds(8, 800), 800, is_decode_only=is_told)
+    return model
+
+
+def test_the_bound_is_taken_from_the_decode_steps_measured() -> None:
+    told = slower_line_faster_decodes(True)
+    fitted = told.fit_keys()
+    assert fitted is not None
+    _, b, c = fitted
+    # the decode steps' mean, moved to 1,000 keys by the fitted key slope
+    expected = 0.9 * seconds(8, 800) + 200 * c
+    assert told.measured_decode(8, 1000, b, c) == pytest.approx(expected)
+    # The line puts these decode steps at 53.2 ms, they took 51.1: the chunk may bring the
+    # step to 1.5 x 51.1 ms, not 1.5 x 53.2 ms: 11 tokens at position 0 and 5 at 1,900
+    # where the line alone allows 12 and 6.
+    assert told.prefill_budget(8, position=0, decode_keys=800) == 11
+    assert told.prefill_budget(8, position=1900, decode_keys=800) == 5
+    blind = slower_line_faster_decodes(None)
+    assert blind.prefill_budget(8, position=0, decode_keys=800) == 12
+    assert blind.prefill_budget(8, position=1900, decode_keys=800) == 6
