@@ -157,10 +157,13 @@ class SchedulerClient:
         request.subscription_id, request.stream_tag = feed.id, tag
         call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
         call.add_done_callback(inbox.put_nowait)
+        pending: _Item | None = None
         try:
             while True:
-                item = await inbox.get()
+                item = pending if pending is not None else await inbox.get()
+                pending = None
                 if isinstance(item, scheduler_pb2.ScheduleResponse):
+                    item, pending = _caught_up(item, inbox)
                     yield item
                     if item.finish_reason:
                         return
@@ -214,6 +217,22 @@ class SchedulerClient:
         feed.reader = asyncio.ensure_future(feed.read())
         log.info("shared token stream open")
         return feed
+
+
+def _caught_up(
+    response: scheduler_pb2.ScheduleResponse, inbox: asyncio.Queue[_Item]
+) -> tuple[scheduler_pb2.ScheduleResponse, _Item | None]:
+    """``response`` and the responses queued behind it as one message, and the first other
+    item met on the way, kept for after it. A request that fell behind the steps (its
+    caller reads slower than the worker makes tokens) then costs one message downstream,
+    not one per step: the tokens, logprobs and alternatives of each in order, the queue time
+    of the first (later ones do not carry it), the finish and usage of the last."""
+    while not response.finish_reason and not inbox.empty():
+        more = inbox.get_nowait()
+        if not isinstance(more, scheduler_pb2.ScheduleResponse):
+            return response, more
+        response.MergeFrom(more)
+    return response, None
 
 
 async def _error_of(call: grpc.aio.UnaryStreamCall) -> grpc.aio.AioRpcError | None:

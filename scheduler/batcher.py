@@ -211,7 +211,9 @@ class BatchScheduler:
         observe_step(self.cost, self.speculation, plan, result, since, keys, decode_only)
         refused = {f.seq_id: f for f in result.failed}
         retry = self.kv.settle(result, current, set(refused))
-        made = Counter(t.seq_id for t in result.tokens)
+        # tokens per sequence: only a sequence verifying drafts can make more than one
+        has_drafts = any(e.drafts for e in entries.values())
+        made = Counter(t.seq_id for t in result.tokens) if has_drafts else Counter()
         for seq_id, seq in current.items():
             entry = entries[seq_id]
             self._sums.count(entry, -1)
@@ -416,13 +418,14 @@ class BatchScheduler:
                 new.append(seq.as_new())
                 seq.is_on_worker, fresh = True, ()
             seq.num_sent_blocks = len(seq.block_ids)
+            ahead = self._ahead(seq)  # the plans in flight before this one
             # computes its last known token: samples one
-            samples = self._ahead(seq).num_unscheduled == n
+            samples = ahead.num_unscheduled == n
             k = grants.get(seq.seq_id, 0)
             entries[seq.seq_id] = entry = Entry(seq, seq.incarnation, n, samples, k)
             self._sums.count(entry, 1)
             scheduled.append(ScheduledSequence(seq.seq_id, n, fresh, k))
-            if self.depth > 1 and seq.is_done_after(self._ahead(seq).plans.num_samples):
+            if self.depth > 1 and seq.is_done_after(ahead.plans.num_samples + samples):
                 self._drop_early(seq)
         moves = self.kv.take_moves(step_id, [n.seq_id for n in new])
         plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops, *moves)

@@ -69,6 +69,11 @@ class Subscription:
         self._pending[tag] = (event, is_first)
         self._ready.set()
 
+    @property
+    def has_pending(self) -> bool:
+        """Whether events wait for the next batch."""
+        return bool(self._pending)
+
     async def next_batch(self) -> list[tuple[int, SeqEvent, bool]]:
         """Waits for events, then takes all of them: (tag, event, whether it is the
         request's first entry)."""

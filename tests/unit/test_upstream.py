@@ -47,7 +47,10 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.ScheduleResponse]:
         self.requests.append(scheduler_pb2.ScheduleRequest.FromString(request.SerializeToString()))
-        responses = [scheduler_pb2.ScheduleResponse(token_ids=[t]) for t in TOKENS]
+        responses = [
+            scheduler_pb2.ScheduleResponse(token_ids=[t], logprobs=[-t / 10]) for t in TOKENS
+        ]
+        responses[0].queue_seconds = 0.25
         responses[-1].finish_reason = common_pb2.FINISH_REASON_LENGTH
         responses[-1].usage.completion_tokens = len(TOKENS)
         if not request.subscription_id:
@@ -197,3 +200,21 @@ async def test_a_caller_that_leaves_cancels_the_request_upstream(
             assert list(msg.token_ids) == TOKENS[:1]
             break
     await asyncio.wait_for(fake.cancelled.wait(), 5)
+
+
+async def test_a_caller_behind_the_steps_gets_the_tokens_it_missed_in_one_message(
+    scripted: tuple[ScriptedScheduler, SchedulerClient],
+) -> None:
+    _, client = scripted
+    request = scheduler_pb2.ScheduleRequest(request_id="r", model="m", max_tokens=3)
+    got: list[scheduler_pb2.ScheduleResponse] = []
+    async for msg in client.stream(request, 10, ()):
+        got.append(msg)
+        await asyncio.sleep(0.3)  # every later token arrives meanwhile
+    # one message per step would be three; a slow reader gets what it missed at once
+    assert 1 <= len(got) <= 2
+    assert [t for m in got for t in m.token_ids] == TOKENS
+    assert [round(lp, 3) for m in got for lp in m.logprobs] == [-0.7, -0.8, -0.9]
+    assert got[0].queue_seconds == 0.25
+    assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert got[-1].usage.completion_tokens == 3
