@@ -19,11 +19,12 @@ ROWS = 11
 Adapter = tuple[torch.Tensor, list[torch.Tensor | None], float]  # A [P r, in], B_i [out_i, r]
 
 
-def _adapter(rank: int, seed: int, scale: float, skip: int | None = None) -> Adapter:
+def _adapter(rank: int, seed: int, scale: float, skip: int | None = None, wide: int = 1) -> Adapter:
+    """``wide``: IN and PARTS times that (enough work for the kernel's threads)."""
     gen = torch.Generator().manual_seed(seed)
-    a = torch.randn(len(PARTS) * rank, IN, generator=gen) / IN**0.5
+    a = torch.randn(len(PARTS) * rank, IN * wide, generator=gen) / (IN * wide) ** 0.5
     b: list[torch.Tensor | None] = []
-    for i, out in enumerate(PARTS):
+    for i, out in enumerate(p * wide for p in PARTS):
         if i == skip:  # an untargeted part: zero rows in A, no B
             a[i * rank : (i + 1) * rank] = 0
             b.append(None)
@@ -43,7 +44,7 @@ def _weights(adapters: list[Adapter], dtype: torch.dtype) -> list[torch.Tensor]:
 def _lora_add(
     y: torch.Tensor, x: torch.Tensor, groups: list[list[int]], adapters: list[Adapter]
 ) -> torch.Tensor:
-    y = y.clone()
+    y, parts = y.clone(), [p * y.shape[1] // sum(PARTS) for p in PARTS]
     torch.ops.canteen.lora_add(
         y,
         x,
@@ -52,7 +53,7 @@ def _lora_add(
         torch.tensor([s for _, _, s in adapters], dtype=torch.float64),
         [a.shape[0] // len(PARTS) for a, _, _ in adapters],
         _weights(adapters, x.dtype),
-        PARTS,
+        parts,
     )
     return y
 
@@ -65,9 +66,10 @@ def _two_linears(
     y = y.clone()
     for rows, (a, b, scale) in zip(groups, adapters, strict=True):
         rank, ix = a.shape[0] // len(PARTS), torch.tensor(rows, dtype=torch.long)
-        block = torch.zeros(sum(PARTS), a.shape[0])
+        block = torch.zeros(y.shape[1], a.shape[0])
         at = 0
-        for i, (t, out) in enumerate(zip(b, PARTS, strict=True)):
+        sizes = [p * y.shape[1] // sum(PARTS) for p in PARTS]
+        for i, (t, out) in enumerate(zip(b, sizes, strict=True)):
             if t is not None:
                 block[at : at + out, i * rank : (i + 1) * rank] = t
             at += out
@@ -75,14 +77,14 @@ def _two_linears(
         z = torch.ops.canteen.skinny_linear(x[ix], pack_lanes(a.to(x.dtype)), n, None)
         z = z * torch.tensor(scale, dtype=x.dtype)
         lanes = pack_lanes(block.to(x.dtype))
-        y[ix] = torch.ops.canteen.skinny_linear(z, lanes, sum(PARTS), None, y[ix].contiguous())
+        y[ix] = torch.ops.canteen.skinny_linear(z, lanes, y.shape[1], None, y[ix].contiguous())
     return y
 
 
-def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(dtype: torch.dtype, wide: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(ROWS, IN, generator=gen).to(dtype)
-    y = torch.randn(ROWS, sum(PARTS), generator=gen).to(dtype)
+    x = torch.randn(ROWS, IN * wide, generator=gen).to(dtype)
+    y = torch.randn(ROWS, sum(PARTS) * wide, generator=gen).to(dtype)
     return x, y
 
 
@@ -91,19 +93,26 @@ GROUPS = [[0, 3, 4, 9, 10], [1, 7], [2, 5, 6]]  # row 8: the base's
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_bits_of_the_two_skinny_linears_it_replaces(dtype: torch.dtype) -> None:
-    x, y = _inputs(dtype)
-    got = _lora_add(y, x, GROUPS, ADAPTERS)
-    assert torch.equal(got, _two_linears(y, x, GROUPS, ADAPTERS))
+@pytest.mark.parametrize("wide", [1, 16])
+def test_the_bits_of_the_two_skinny_linears_it_replaces(dtype: torch.dtype, wide: int) -> None:
+    x, y = _inputs(dtype, wide)
+    adapters = [_adapter(16, 1, 2.0, wide=wide), _adapter(8, 2, 0.75, 1, wide)]
+    adapters.append(_adapter(4, 3, 1.5, wide=wide))
+    got = _lora_add(y, x, GROUPS, adapters)
+    assert torch.equal(got, _two_linears(y, x, GROUPS, adapters))
     assert torch.equal(got[8], y[8])  # a base row is left as it was
     assert not torch.equal(got[0], y[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rank", [16, 5])
-def test_an_adapters_rows_get_the_same_bits_alone_and_mixed(dtype: torch.dtype, rank: int) -> None:
-    x, y = _inputs(dtype)
-    adapters = [_adapter(rank, 4, 2.0), *ADAPTERS[1:]]
+@pytest.mark.parametrize(("rank", "wide"), [(16, 1), (5, 1), (16, 16)])
+def test_an_adapters_rows_get_the_same_bits_alone_and_mixed(
+    dtype: torch.dtype, rank: int, wide: int
+) -> None:
+    """wide=16: the mixed call shares its work among threads, a single row's call does not."""
+    x, y = _inputs(dtype, wide)
+    adapters = [_adapter(rank, 4, 2.0, wide=wide), _adapter(8, 2, 0.75, 1, wide)]
+    adapters.append(_adapter(4, 3, 1.5, wide=wide))
     mixed = _lora_add(y, x, GROUPS, adapters)
     for g, rows in enumerate(GROUPS):
         for alone in ([rows], [rows[:1]], [rows[1:]]):  # fewer rows beside it: same bits

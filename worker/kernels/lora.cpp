@@ -39,7 +39,9 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 constexpr int kTileRows = 8;   // rows of one register tile
-constexpr int kMostBlocks = 2; // blocks of 16 outputs a tile takes at once
+// Below this many weight words a call's rows meet, one thread: a fork and join costs more.
+constexpr int64_t kParallelWords = 1 << 16;
+constexpr int kMostBlocks = 3; // blocks of 16 outputs a tile takes at once (24 sums: 8 rows x 3)
 
 // How a lane holds x's values: a pair of bfloat16 in 32 bits, or one float32.
 template <typename T>
@@ -127,6 +129,7 @@ template <typename T>
 constexpr std::array<std::array<SumFn<T>, kTileRows>, kMostBlocks> kSums = {
     sums_for<T, 1>(std::make_integer_sequence<int, kTileRows>{}),
     sums_for<T, 2>(std::make_integer_sequence<int, kTileRows>{}),
+    sums_for<T, 3>(std::make_integer_sequence<int, kTileRows>{}),
 };
 
 // Sums of ``rows`` rows (``stride`` words apart, ``steps`` words each) against ``count``
@@ -180,6 +183,32 @@ void run_a(Step<T>& s, const Task& t) {
   }
 }
 
+// dst[i] = T(dst[i] + T(sum[i])), i < count <= 16: as Finish::store with a zero bias and
+// the residual dst (common.h), 16 at a time where the vector units have it.
+inline void add_sums(at::BFloat16* dst, const float* sum, int64_t count) {
+#if defined(__AVX512BF16__)
+  if (count == kLanes) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_setzero_ps());
+    const __m512 total = _mm512_add_ps(bf16_load16(dst), bf16_widen16(bf16_round16(v)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_round16(total));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i)
+    dst[i] = static_cast<at::BFloat16>(static_cast<float>(dst[i]) + static_cast<float>(static_cast<at::BFloat16>(sum[i] + 0.f)));
+}
+
+inline void add_sums(float* dst, const float* sum, int64_t count) {
+#if defined(__AVX512F__)
+  if (count == kLanes) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_setzero_ps());
+    _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), v));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) dst[i] = dst[i] + (sum[i] + 0.f);
+}
+
 template <typename T>
 void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_out) {
   const int64_t rows = s.counts[t.adapter], at = s.first[t.adapter], size = s.part_sizes[t.part];
@@ -193,15 +222,32 @@ void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_ou
     tile_sums<T>(z, n, s.z_steps, steps, w, steps * kLanes, static_cast<int>(t.count), out);
     for (int64_t r = 0; r < n; ++r) {
       T* dst = y + rows_of[at + r0 + r] * n_out + offset;
-      for (int64_t b = 0; b < t.count; ++b)
-        for (int64_t l = 0; l < kLanes; ++l) {
-          const int64_t j = (t.block + b) * kLanes + l;
-          // as Finish::store with a zero bias and the residual y (common.h)
-          const T v = static_cast<T>(out[(r * t.count + b) * kLanes + l] + 0.f);
-          if (j < size) dst[j] = static_cast<T>(static_cast<float>(dst[j]) + static_cast<float>(v));
-        }
+      for (int64_t b = 0; b < t.count; ++b) {
+        const int64_t j = (t.block + b) * kLanes;
+        add_sums(dst + j, out + (r * t.count + b) * kLanes, std::min<int64_t>(kLanes, size - j));
+      }
     }
   }
+}
+
+// out[i] = T(T(sum[i]) * scale), i < count <= 16: Finish::store with a zero bias, then
+// torch's multiply by the scale in T.
+inline void scale16(at::BFloat16* out, const float* sum, float scale, int64_t count) {
+#if defined(__AVX512BF16__)
+  alignas(64) float in[kLanes] = {};
+  std::memcpy(in, sum, count * sizeof(float));
+  const __m512 z = bf16_widen16(bf16_round16(_mm512_add_ps(_mm512_load_ps(in), _mm512_setzero_ps())));
+  alignas(32) at::BFloat16 done[kLanes];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(done), bf16_round16(_mm512_mul_ps(z, _mm512_set1_ps(scale))));
+  std::memcpy(out, done, count * sizeof(at::BFloat16));
+#else
+  for (int64_t i = 0; i < count; ++i)
+    out[i] = static_cast<at::BFloat16>(static_cast<float>(static_cast<at::BFloat16>(sum[i] + 0.f)) * scale);
+#endif
+}
+
+inline void scale16(float* out, const float* sum, float scale, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) out[i] = (sum[i] + 0.f) * scale;
 }
 
 // The rows' scaled z, from their A sums: z = T(T(sum) * T(scale)), then as words per part.
@@ -215,14 +261,14 @@ void scale_z(Step<T>& s) {
       for (int64_t i = 0; i < s.parts; ++i) {
         std::fill(part.begin(), part.end(), static_cast<T>(0.f));
         const float* sum = s.zf.data() + r * s.z_width + i * s.ranks[g];
-        for (int64_t j = 0; j < s.ranks[g] && i * s.ranks[g] + j < s.z_width; ++j)
-          part[j] = static_cast<T>(static_cast<float>(static_cast<T>(sum[j] + 0.f)) * s.scales[g]);
+        for (int64_t j = 0; j < s.ranks[g]; j += kLanes)
+          scale16(part.data() + j, sum + j, s.scales[g], std::min<int64_t>(kLanes, s.ranks[g] - j));
         std::memcpy(s.zs.data() + (i * s.total + r) * s.z_steps, part.data(), s.z_steps * sizeof(W));
       }
   }
 }
 
-// Tasks for A (part -1) or for the parts' B: blocks of each adapter's weights, by two.
+// Tasks for A (part -1) or for the parts' B: blocks of each adapter's weights, by three.
 template <typename T>
 std::vector<Task> tasks(const Step<T>& s, bool for_a) {
   std::vector<Task> out;
@@ -237,13 +283,23 @@ std::vector<Task> tasks(const Step<T>& s, bool for_a) {
   return out;
 }
 
-// Runs ``run`` on every task, over the step's threads when there is enough work to share.
-template <typename Run>
-void each(const std::vector<Task>& all, int64_t words_per_task, Run run) {
-  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(words_per_task, 1));
-  at::parallel_for(0, static_cast<int64_t>(all.size()), grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) run(all[t]);
-  });
+// Every A task, then the scaled z, then every B task, in one parallel region (one fork and
+// join a call: a step makes four calls a layer) where the work is worth a second thread.
+template <typename T>
+void run_all(Step<T>& s, T* y, const int64_t* rows_of, int64_t n_out) {
+  const std::vector<Task> a_tasks = tasks(s, true), b_tasks = tasks(s, false);
+  const auto num_a = static_cast<int64_t>(a_tasks.size()), num_b = static_cast<int64_t>(b_tasks.size());
+  const int64_t words = s.total * (s.in_steps * s.z_width + s.z_steps * n_out);
+  const int threads = words < kParallelWords || at::in_parallel_region() ? 1 : at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_a; ++t) run_a(s, a_tasks[t]);
+#pragma omp single
+    scale_z(s);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < num_b; ++t) run_b(s, b_tasks[t], y, rows_of, n_out);
+  }
 }
 
 template <typename T>
@@ -276,11 +332,7 @@ void add_deltas(at::Tensor& y, const at::Tensor& x, const int64_t* rows_of, at::
   for (int64_t r = 0; r < total; ++r) std::memcpy(s.xs.data() + r * s.in_steps, xp + rows_of[r] * k, k * sizeof(T));
   s.zf.assign(total * s.z_width, 0.f);
   s.zs.assign(s.parts * total * s.z_steps, W{});
-  each(tasks(s, true), s.in_steps * kLanes * kMostBlocks, [&](const Task& t) { run_a(s, t); });
-  scale_z(s);
-  T* yp = y.data_ptr<T>();
-  const int64_t n_out = y.size(1);
-  each(tasks(s, false), s.z_steps * kLanes * kMostBlocks * 4, [&](const Task& t) { run_b(s, t, yp, rows_of, n_out); });
+  run_all(s, y.data_ptr<T>(), rows_of, y.size(1));
 }
 
 }  // namespace
