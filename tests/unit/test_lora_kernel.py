@@ -146,3 +146,12 @@ def test_a_wrong_layout_is_refused_naming_it() -> None:
             y, x, torch.tensor([0]), [1], torch.tensor([1.0], dtype=torch.float64), [16],
             weights, PARTS,
         )  # fmt: skip
+
+
+def test_a_row_outside_the_step_is_refused_naming_it() -> None:
+    x, y = _inputs(torch.float32)
+    with pytest.raises(RuntimeError, match=f"lora_add: row {ROWS} outside x's {ROWS} rows"):
+        torch.ops.canteen.lora_add(
+            y, x, torch.tensor([ROWS]), [1], torch.tensor([1.0], dtype=torch.float64), [16],
+            _weights(ADAPTERS[:1], torch.float32), PARTS,
+        )  # fmt: skip

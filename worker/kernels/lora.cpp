@@ -345,6 +345,10 @@ void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::
                   x.scalar_type() == y.scalar_type() && y.size(1) == sum,
               "lora_add: x [T, in] and y [T, sum(parts)], contiguous, one dtype");
   TORCH_CHECK(counts.size() == ranks.size(), "lora_add: one count and one rank per adapter");
+  int64_t total = 0;
+  for (const int64_t c : counts) total += c;
+  for (int64_t r = 0; r < total; ++r)
+    TORCH_CHECK(rows[r] >= 0 && rows[r] < x.size(0), "lora_add: row ", rows[r], " outside x's ", x.size(0), " rows");
   const int64_t per = x.scalar_type() == at::kBFloat16 ? 2 : 1;
   for (size_t g = 0; g < counts.size(); ++g) {
     const at::Tensor* w = weights + g * (1 + parts.size());
