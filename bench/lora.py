@@ -17,9 +17,14 @@ check, layout, slotting, and the prefill step that samples its first token) agai
 step on the base; and the resident memory per rank-16 adapter (process RSS before and after
 four adapters are loaded and slotted, over four; with the bytes the store and the slots hold).
 
+With --probe, first: the LoRA part of one mixed decode step alone, in thread CPU time: every
+layer's canteen::lora_add calls (one per linear: 4 a layer) for the streams' rows over the
+four adapters, on random inputs of the step's shapes, the median of 50 steps.
+
 Usage: python bench/lora.py [--rounds 3] [--streams 16] [--tokens 64] [--threads N] [--short]
-(--short: 1 round, 4 streams, 8 tokens: a check that it runs, not a figure; --threads: torch
-threads, default torch's; 1 keeps the figures steadier on a machine shared with other work).
+[--probe] (--short: 1 round, 4 streams, 8 tokens: a check that it runs, not a figure;
+--threads: torch threads, default torch's; 1 keeps the figures steadier on a machine shared
+with other work).
 """
 
 from __future__ import annotations
@@ -113,6 +118,31 @@ def cold_load(runner: ModelRunner, batch: list[list[int]], ref: AdapterRef) -> t
     return out[0], out[1]
 
 
+def probe(runner: ModelRunner, refs: list[AdapterRef], shape: BaseShape, streams: int) -> None:
+    """Prints the thread CPU time of the adapters' share of one decode step (see the top)."""
+    rows = [(refs[i % len(refs)], 1) for i in range(streams)]
+    lora = runner.lora.step(rows, runner.loaded.device)
+    assert lora is not None
+    dtype = runner.lora.dtype
+    gen = torch.Generator().manual_seed(0)
+    in_features, parts = shape.in_features.items(), shape.part_sizes.items()
+    xs = {k: torch.randn(streams, n, generator=gen).to(dtype) for k, n in in_features}
+    ys = {k: torch.randn(streams, sum(p), generator=gen).to(dtype) for k, p in parts}
+    times = []
+    for _ in range(50):
+        started = time.thread_time()
+        for layer in range(shape.num_layers):
+            for kind in FUSED:
+                lora.apply(layer, kind, xs[kind], ys[kind])
+        times.append(time.thread_time() - started)
+    calls = shape.num_layers * len(FUSED)
+    print(
+        f"probe: the adapters' share of a {streams}-row decode step over {len(refs)} adapters: "
+        f"{statistics.median(times) * 1e3:.2f} ms thread CPU ({calls} lora_add calls, "
+        f"{len(FUSED)} a layer, Python dispatch included)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -120,6 +150,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--short", action="store_true")
+    parser.add_argument("--probe", action="store_true")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -145,7 +176,9 @@ def main() -> None:
         runner.lora.place([(f"s{i}", r) for i, r in enumerate(refs)])
         per_adapter = (psutil.Process().memory_info().rss - rss) / NUM_ADAPTERS
         held = sum(runner.lora.store.get(r).nbytes for r in refs) / NUM_ADAPTERS
-        slotted = runner.lora.slots.nbytes / NUM_ADAPTERS
+        slotted = runner.lora.slots.nbytes / NUM_ADAPTERS  # the store's tensors, shared
+        if args.probe:
+            probe(runner, refs, shape, args.streams)
         mixed: list[AdapterRef | None] = [refs[i % NUM_ADAPTERS] for i in range(args.streams)]
         plain: list[AdapterRef | None] = [None] * args.streams
         generate(runner, batch, mixed, 2)  # warm-up of both paths
@@ -174,8 +207,8 @@ def main() -> None:
         )
         print(
             f"memory per rank-{RANK} adapter: RSS +{per_adapter / 2**20:.1f} MiB; tensors: "
-            f"{held / 2**20:.1f} MiB in the store + {slotted / 2**20:.1f} MiB laid out in the "
-            "step's slots"
+            f"{held / 2**20:.1f} MiB in the store, {slotted / 2**20:.1f} MiB of it in the "
+            "step's slots (the same tensors, not a copy)"
         )
 
 

@@ -1,10 +1,10 @@
 """Canteen's C++ CPU kernels (canteen_ops.cpp, attention.cpp, dense.cpp, dense_float.cpp,
-lowbit.cpp, stack.cpp, sampling.cpp), built with the machine's own compiler and loaded.
+lowbit.cpp, stack.cpp, sampling.cpp, lora.cpp), built with the machine's own compiler and loaded.
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
-``skinny_linear``, ``quant_linear``, ``decode_layers``, ``greedy_pick``) replace many small ops
-of a decode step (worker/attention/paged.py, worker/model/forward.py, worker/model/quant.py,
-worker/engine/sampler.py). The library is compiled once
+``skinny_linear``, ``quant_linear``, ``decode_layers``, ``greedy_pick``, ``lora_add``) replace
+many small ops of a decode step (worker/attention/paged.py, worker/model/forward.py,
+worker/model/quant.py, worker/engine/sampler.py, worker/lora/slots.py). The library is compiled once
 per source, flags, torch version and CPU (``-march=native``: a build for one machine's vector
 units must not run on another's), into ``$CANTEEN_KERNEL_DIR`` or the environment's
 ``share/canteen-kernels``; ``make install`` builds it ahead (``python -m worker.kernels``), and
@@ -52,6 +52,7 @@ SOURCES = tuple(
         "lowbit.cpp",
         "stack.cpp",
         "sampling.cpp",
+        "lora.cpp",
     )
 )
 HEADERS = (HERE / "common.h",)

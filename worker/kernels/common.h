@@ -199,4 +199,9 @@ at::Tensor skinny_linear_float(const at::Tensor& x, const at::Tensor& lanes, int
                                const c10::optional<at::Tensor>& bias,
                                const c10::optional<at::Tensor>& residual, bool gate);
 
+// lora.cpp: each adapter's LoRA delta added into y on its own rows (canteen::lora_add's
+// arguments, rows and scales as pointers).
+void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::IntArrayRef counts,
+                   const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts);
+
 }  // namespace canteen

@@ -18,11 +18,12 @@
 // lens [B], rows [B] and tables [B] (empty: row b reads table b), as paged_decode_into takes
 // them.
 //
-// LoRA (worker/lora/slots.py): ``lora`` holds, for G adapters, [rows_g, scale_g] per adapter
-// then, per layer, per linear, per adapter, A's and B's lanes (both empty where the adapter
-// lacks that linear); ``lora_widths`` holds A's output features per linear, per adapter. A
-// linear an adapter targets runs unfused (no residual or gate inside it), then per adapter
-// y[rows] = skinny_linear(A(x[rows]) * scale, B, residual=y[rows]), then the residual add or
+// LoRA (worker/lora/slots.py, StepLora.kernel_args): ``lora`` holds every adapter's rows (int64,
+// adapter after adapter) and the adapters' scales (float64), then per layer, per linear, per
+// adapter: A's lanes and each part's B lanes (empty where the adapter lacks them);
+// ``lora_sizes`` holds the rows and rank per adapter, then the linears' part sizes (q, k, v;
+// o; gate, up; down). A linear an adapter targets runs unfused (no residual or gate inside
+// it), then canteen::lora_add's deltas (lora.cpp) on it in place, then the residual add or
 // SiLU gate as torch ops: StepLora.apply's ops, so the Python layer path's bits.
 
 #include <ATen/ATen.h>
@@ -30,6 +31,8 @@
 #include <torch/library.h>
 
 #include <vector>
+
+#include "common.h"
 
 namespace {
 
@@ -94,52 +97,44 @@ struct Ops {
   }
 };
 
+// A step's adapters (worker/lora/slots.py, StepLora.kernel_args): lora.cpp adds each one's
+// delta on its own rows of a linear's output, in one call per linear.
 struct Lora {
+  static constexpr int64_t kParts[kLinears] = {3, 1, 2, 1};  // q | k | v, o, gate | up, down
   int64_t adapters = 0;
-  at::TensorList list;
-  at::IntArrayRef widths;
+  at::TensorList list;    // rows, scales, then per layer, linear and adapter: A, each part's B
+  at::IntArrayRef sizes;  // counts and ranks per adapter, then every linear's part sizes
 
-  const at::Tensor* pair(int64_t layer, int64_t linear, int64_t g) const {
-    return list.data() + 2 * adapters + ((layer * kLinears + linear) * adapters + g) * 2;
+  const at::Tensor* weights(int64_t layer, int64_t linear) const {
+    int64_t at = 0;
+    for (int64_t l = 0; l < linear; ++l) at += 1 + kParts[l];
+    return list.data() + 2 + (layer * (kLinears + 7) + at) * adapters;
+  }
+  at::IntArrayRef parts(int64_t linear) const {
+    int64_t at = 2 * adapters;
+    for (int64_t l = 0; l < linear; ++l) at += kParts[l];
+    return sizes.slice(at, kParts[linear]);
   }
   bool targets(int64_t layer, int64_t linear) const {
+    const at::Tensor* w = weights(layer, linear);
     for (int64_t g = 0; g < adapters; ++g)
-      if (pair(layer, linear, g)->numel()) return true;
+      if (w[g * (1 + kParts[linear])].numel()) return true;
     return false;
   }
-  // y (the base linear of x) plus each adapter's delta on its own rows, in place. The rows
-  // are gathered once, adapter after adapter (``order``), so each adapter's are a contiguous
-  // slice: two gathers and one scatter per linear instead of three per adapter. A row's
-  // inputs are the same either way, so are its bits (StepLora.apply gathers per adapter).
-  at::Tensor add(const Ops& ops, at::Tensor y, const at::Tensor& x, int64_t layer, int64_t linear,
-                 int64_t n) const {
-    const auto xs = x.index_select(0, order), ys = y.index_select(0, order);
-    std::vector<at::Tensor> outs;
-    int64_t at = 0;
-    for (int64_t g = 0; g < adapters; ++g) {
-      const at::Tensor* ab = pair(layer, linear, g);
-      const int64_t count = list[2 * g].numel();
-      const auto base = ys.narrow(0, at, count);
-      if (ab->numel() == 0) {
-        outs.push_back(base);
-      } else {
-        const auto z = ops.skinny.call(xs.narrow(0, at, count), ab[0], widths[linear * adapters + g],
-                                       c10::nullopt, c10::nullopt, false) * list[2 * g + 1];
-        outs.push_back(ops.skinny.call(z, ab[1], n, c10::nullopt, base, false));
-      }
-      at += count;
-    }
-    y.index_copy_(0, order, at::cat(outs));
+  // y (the base linear of x) plus each adapter's delta on its own rows, in place.
+  at::Tensor add(at::Tensor y, const at::Tensor& x, int64_t layer, int64_t linear) const {
+    canteen::lora_add_into(y, x, list[0].data_ptr<int64_t>(), sizes.slice(0, adapters),
+                           list[1].data_ptr<double>(), sizes.slice(adapters, adapters),
+                           weights(layer, linear), parts(linear));
     return y;
   }
-  at::Tensor order;  // every adapter's rows, adapter after adapter
 };
 
 at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::TensorList weights,
                          at::IntArrayRef sizes, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slot_mapping, at::TensorList groups, int64_t heads,
                          int64_t kv_heads, double scale, double eps, double residual,
-                         at::TensorList lora_list, at::IntArrayRef lora_widths) {
+                         at::TensorList lora_list, at::IntArrayRef lora_sizes) {
   const int64_t layers = kv_pool.size(0), dim = kv_pool.size(5), tokens = x_in.size(0);
   TORCH_CHECK(kv_pool.dim() == 6 && kv_pool.is_contiguous(),
               "decode_layers: kv_pool [layers, 2, blocks, block_size, kv_heads, D], contiguous");
@@ -147,16 +142,16 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
                   static_cast<int64_t>(sizes.size()) == layers * kLinears,
               "decode_layers: 14 weights and 4 sizes per layer");
   TORCH_CHECK(groups.size() % 4 == 0, "decode_layers: groups of (slots, lens, rows, tables)");
-  Lora lora{static_cast<int64_t>(lora_widths.size()) / kLinears, lora_list, lora_widths};
-  TORCH_CHECK(static_cast<int64_t>(lora_widths.size()) == lora.adapters * kLinears &&
-                  static_cast<int64_t>(lora_list.size()) == lora.adapters * (2 + layers * kLinears * 2),
-              "decode_layers: lora holds rows and scale per adapter, then A and B per layer, "
-              "linear and adapter; lora_widths one width per linear and adapter");
-  if (lora.adapters) {
-    std::vector<at::Tensor> rows;
-    for (int64_t g = 0; g < lora.adapters; ++g) rows.push_back(lora_list[2 * g]);
-    lora.order = at::cat(rows);
-  }
+  const int64_t adapters = lora_sizes.empty() ? 0 : (static_cast<int64_t>(lora_sizes.size()) - 7) / 2;
+  const Lora lora{adapters, lora_list, lora_sizes};
+  TORCH_CHECK(lora_sizes.empty() ? lora_list.empty()
+                                 : static_cast<int64_t>(lora_sizes.size()) == 2 * adapters + 7 &&
+                                       static_cast<int64_t>(lora_list.size()) == 2 + layers * (kLinears + 7) * adapters &&
+                                       lora_list[0].scalar_type() == at::kLong && lora_list[0].is_contiguous() &&
+                                       lora_list[1].scalar_type() == at::kDouble && lora_list[1].numel() == adapters,
+              "decode_layers: lora holds rows (int64) and scales (float64), then A and each part's B "
+              "per layer, linear and adapter; lora_sizes counts and ranks per adapter, then the "
+              "linears' part sizes (3, 1, 2, 1)");
   const Ops& ops = Ops::get();
   at::Tensor x = x_in;
   for (int64_t layer = 0; layer < layers; ++layer) {
@@ -165,7 +160,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
     const auto pool = kv_pool.select(0, layer).view({2, kv_heads, -1, dim});
     const auto normed_in = ops.norm.call(x, w[0], eps);
     auto qkv = ops.linear(normed_in, w + 2, n[0]);
-    if (lora.targets(layer, 0)) qkv = lora.add(ops, qkv, normed_in, layer, 0, n[0]);
+    if (lora.targets(layer, 0)) qkv = lora.add(qkv, normed_in, layer, 0);
     qkv = qkv.view({tokens, -1, dim});
     auto pool_layer = pool;  // rotary_kv writes the keys and values through it
     const auto q = ops.rotary_kv.call(qkv, heads, kv_heads, cos, sin, pool_layer, slot_mapping);
@@ -174,18 +169,18 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
       ops.attend.call(attended, q, pool, groups[g], groups[g + 1], groups[g + 2], scale, given(groups[g + 3]));
     // the residual adds and the SiLU gate finish inside the linears where they can (common.h)
     if (lora.targets(layer, 1)) {
-      const auto out = lora.add(ops, ops.linear(attended, w + 5, n[1]), attended, layer, 1, n[1]);
+      const auto out = lora.add(ops.linear(attended, w + 5, n[1]), attended, layer, 1);
       x = residual == 1.0 ? x + out : x + out * residual;
     } else {
       x = residual == 1.0 ? ops.linear(attended, w + 5, n[1], x) : x + ops.linear(attended, w + 5, n[1]) * residual;
     }
     const auto normed = ops.norm.call(x, w[1], eps);
     const auto act = lora.targets(layer, 2)
-                         ? ops.silu_mul.call(lora.add(ops, ops.linear(normed, w + 8, n[2]), normed, layer, 2, n[2]))
+                         ? ops.silu_mul.call(lora.add(ops.linear(normed, w + 8, n[2]), normed, layer, 2))
                      : n[2] % 32 == 0 ? ops.linear(normed, w + 8, n[2], {}, true)
                                       : ops.silu_mul.call(ops.linear(normed, w + 8, n[2]));
     if (lora.targets(layer, 3)) {
-      const auto out = lora.add(ops, ops.linear(act, w + 11, n[3]), act, layer, 3, n[3]);
+      const auto out = lora.add(ops.linear(act, w + 11, n[3]), act, layer, 3);
       x = residual == 1.0 ? x + out : x + out * residual;
     } else {
       x = residual == 1.0 ? ops.linear(act, w + 11, n[3], x) : x + ops.linear(act, w + 11, n[3]) * residual;
@@ -200,7 +195,7 @@ TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def(
       "decode_layers(Tensor x, Tensor(a!) kv_pool, Tensor[] weights, int[] sizes, Tensor cos, "
       "Tensor sin, Tensor slot_mapping, Tensor[] groups, int heads, int kv_heads, float scale, "
-      "float eps, float residual, Tensor[] lora, int[] lora_widths) -> Tensor");
+      "float eps, float residual, Tensor[] lora, int[] lora_sizes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("decode_layers", &decode_layers); }

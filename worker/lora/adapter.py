@@ -7,10 +7,12 @@ targeted projection, ``A`` [r, in] and ``B`` [out, r]; the projection computes
 Canteen's forward fuses q/k/v and gate/up (worker/model/forward.py), so the adapter is
 rearranged here once, at load, per layer and fused linear ("kind"):
 
-    A  [width, in]   the parts' A stacked: q rows 0..r-1, k rows r..2r-1, v rows 2r..3r-1
-    B  [out, width]  block-diagonal: q's B in q's output rows x q's columns, and so on
+    A    [parts x r, in]   the parts' A stacked: q rows 0..r-1, k rows r..2r-1, v rows 2r..3r-1
+    B_i  [out_i, r]        each part's own B, applied to its r columns of A's output
 
-width = parts x r rounded up to SLOT_ALIGN; a part the adapter does not target stays zero.
+(zeros in A, and no B, for a part the adapter does not target). Where Canteen's kernels run
+(CPU, bfloat16 or float32) both are stored in skinny_linear's lanes layout (pack_lanes) that
+canteen::lora_add reads (worker/kernels/lora.cpp), and only that copy is kept.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from safetensors.torch import load as load_safetensors
 
 from canteen.adapters import AdapterRef
 from canteen.models import adapter_files_sha256, read_adapter_files
+from worker.model.quant import pack_lanes, uses_lanes
 
 # fused linear -> the projections it computes side by side, in its output order
 FUSED: dict[str, tuple[str, ...]] = {
@@ -36,11 +39,6 @@ FUSED: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 _KIND_OF = {part: kind for kind, parts in FUSED.items() for part in parts}
-# An adapter's columns start on a multiple of this in the step's stacked B (worker/lora/
-# slots.py). skinny_linear sums each output along K in order, one float32 (or one pair of
-# bfloat16) at a time, so the other slots' zeros leave an adapter's sums as they are wherever
-# it sits; 16 keeps its bfloat16 pairs and 16-wide K blocks aligned, and a rank of 16 whole.
-SLOT_ALIGN = 16
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])\.weight$")
 
 
@@ -75,20 +73,31 @@ class BaseShape:
 
 
 @dataclass(frozen=True)
+class KindWeights:
+    """An adapter's weights for one fused linear: A stacked over the parts, each part's B."""
+
+    a: torch.Tensor  # [parts x r, in], or its lanes layout
+    b: tuple[torch.Tensor | None, ...]  # per part: [out_i, r] or its lanes layout; None: untargeted
+
+
+@dataclass(frozen=True)
 class LoraWeights:
     """An adapter as the forward applies it, in the model's dtype and device."""
 
     adapter_id: str
     rank: int
     scale: float
-    width: dict[str, int]  # kind -> columns (only the kinds it targets)
-    a: list[dict[str, torch.Tensor]]  # per layer, kind -> [width, in]
-    b: list[dict[str, torch.Tensor]]  # per layer, kind -> [out, width]
+    is_lanes: bool  # weights in pack_lanes' layout (canteen::lora_add), else plain
+    layers: list[dict[str, KindWeights]]  # per layer, kind -> its weights (targeted kinds only)
 
     @property
     def nbytes(self) -> int:
         return sum(
-            t.numel() * t.element_size() for layer in (*self.a, *self.b) for t in layer.values()
+            t.nbytes
+            for layer in self.layers
+            for w in layer.values()
+            for t in (w.a, *w.b)
+            if t is not None
         )
 
 
@@ -177,22 +186,30 @@ def load_adapter(
     rank, scale = _scale(config, max_rank)
     found = _sorted_tensors(tensors, shape, rank)
     kinds = sorted({_KIND_OF[part] for _, part, _ in found})
-    width = {k: -(-len(FUSED[k]) * rank // SLOT_ALIGN) * SLOT_ALIGN for k in kinds}
-    a_layers: list[dict[str, torch.Tensor]] = []
-    b_layers: list[dict[str, torch.Tensor]] = []
+    probe = torch.empty(0, dtype=dtype, device=device)
+    lanes = uses_lanes(probe)
+    layers: list[dict[str, KindWeights]] = []
     for layer in range(shape.num_layers):
-        a_of: dict[str, torch.Tensor] = {}
-        b_of: dict[str, torch.Tensor] = {}
+        per_kind: dict[str, KindWeights] = {}
         for kind in kinds:
-            a = torch.zeros(width[kind], shape.in_features[kind], dtype=torch.float32)
-            b = torch.zeros(sum(shape.part_sizes[kind]), width[kind], dtype=torch.float32)
-            row = 0
-            for i, (part, out) in enumerate(zip(FUSED[kind], shape.part_sizes[kind], strict=True)):
-                if (layer, part, "A") in found:
-                    a[i * rank : (i + 1) * rank] = found[(layer, part, "A")]
-                    b[row : row + out, i * rank : (i + 1) * rank] = found[(layer, part, "B")]
-                row += out
-            a_of[kind], b_of[kind] = a.to(device, dtype), b.to(device, dtype)
-        a_layers.append(a_of)
-        b_layers.append(b_of)
-    return LoraWeights(ref.id, rank, scale, width, a_layers, b_layers)
+            parts = FUSED[kind]
+            a = torch.zeros(len(parts) * rank, shape.in_features[kind], dtype=torch.float32)
+            b: list[torch.Tensor | None] = []
+            for i, part in enumerate(parts):
+                if (layer, part, "A") not in found:
+                    b.append(None)
+                    continue
+                a[i * rank : (i + 1) * rank] = found[(layer, part, "A")]
+                b.append(_laid_out(found[(layer, part, "B")], dtype, device, lanes))
+            if any(t is not None for t in b):
+                per_kind[kind] = KindWeights(_laid_out(a, dtype, device, lanes), tuple(b))
+        layers.append(per_kind)
+    return LoraWeights(ref.id, rank, scale, lanes, layers)
+
+
+def _laid_out(
+    weight: torch.Tensor, dtype: torch.dtype, device: torch.device, lanes: bool
+) -> torch.Tensor:
+    """``weight`` in the model's dtype, in the lanes layout where the kernels take it."""
+    w = weight.to(device, dtype)
+    return pack_lanes(w) if lanes else w.contiguous()

@@ -3,7 +3,7 @@
 A sequence names its adapter once (``NewSequence.adapter``); the adapter is loaded then,
 digest checked, and again whenever a step needs it after the store evicted it. A step's
 distinct adapters (at most --max-loras, the scheduler's rule) go in the forward's slots, and
-its rows are grouped by adapter once, into one index tensor per adapter.
+its rows are grouped by adapter once, into one index tensor, adapter after adapter.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class LoraManager:
         self.refusal = refusal
         shape = BaseShape.of(config)
         self.store = AdapterStore(options, shape, dtype, device)
-        self.slots = LoraSlots(max(options.max_loras, 1), shape.num_layers)
+        parts = {kind: list(sizes) for kind, sizes in shape.part_sizes.items()}
+        self.slots = LoraSlots(max(options.max_loras, 1), shape.num_layers, parts)
         self._resident: tuple[str, ...] = ()
 
     @property
@@ -105,8 +106,7 @@ class LoraManager:
             flat += num_tokens
         if not starts:
             return None
-        rows = {a: torch.tensor(ix, dtype=torch.long, device=device) for a, ix in starts.items()}
-        return self.slots.step(rows, flat, self.dtype)
+        return self.slots.step(starts, device)
 
     def annotate(self, result: StepResult) -> StepResult:
         """``result`` naming the adapters held in memory, when they changed since the last."""

@@ -327,7 +327,7 @@ class FastModel:
         """Every layer in one op (the Layer ops, bit for bit, without the Python between)."""
         s = self.shape
         groups = [t for g in kernel_groups(b) for t in g]
-        lora_list, lora_widths = ([], []) if lora is None else lora
+        lora_list, lora_sizes = ([], []) if lora is None else lora
         out: torch.Tensor = torch.ops.canteen.decode_layers(
             x,
             b.kv_pool,
@@ -343,6 +343,6 @@ class FastModel:
             stack.eps,
             s.residual,
             lora_list,
-            lora_widths,
+            lora_sizes,
         )
         return out
