@@ -140,13 +140,14 @@ class GrammarCompiler:
             return building.result().deep_copy()
         try:
             start = self._build_start(constraint)
-        except ConstraintError as exc:
+        except BaseException as exc:  # the waiters get it too
             building.set_exception(exc)
             raise
+        else:
+            building.set_result(start)
         finally:
             with self._lock:
                 self._building.pop(constraint, None)
-        building.set_result(start)
         return start.deep_copy()
 
     def _build_start(self, constraint: Constraint) -> llguidance.LLMatcher:

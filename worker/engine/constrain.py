@@ -9,7 +9,8 @@ far: a sequence resumed after a preemption or a failover replays them into a fre
 Grammar work stays off the step thread's path where it can:
 
     start-up       the tokenizer and the engine's view of it load on their own thread
-    plan arrives   compile starts on a small thread pool (under the worker's limits)
+    plan arrives   compile starts on a small thread pool (under the worker's limits), as
+                   soon as the plan is read, while the steps before it still run
     step top       masks of the rows this step samples start filling, all in one
                    parallel llguidance call (a row's mask needs only its earlier tokens)
     forward        runs meanwhile, on the step thread
@@ -138,8 +139,10 @@ class Constraints:
         self._matchers: dict[str, llguidance.LLMatcher] = {}
         # tokens sampled last step, not yet fed to their matchers (the next fill does it)
         self._unconsumed: list[tuple[llguidance.LLMatcher, int]] = []
-        # made on the first constrained sequence: a worker that never sees one has no threads
-        self._pool: ThreadPoolExecutor | None = None
+        # its threads start with the first constrained sequence
+        self._pool = ThreadPoolExecutor(
+            self.options.num_compile_threads, thread_name_prefix="grammar-compile"
+        )
         self._mask_thread: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
 
@@ -167,13 +170,22 @@ class Constraints:
         except Exception as exc:  # the first compile tries again and fails its sequence
             log.warning("grammar tokenizer did not load", error=str(exc))
 
+    def prefetch(self, constraints: Sequence[Constraint]) -> None:
+        """Starts compiling the constraints of a plan that has arrived but not run yet (the
+        steps before it still running): their sequences then find the grammar built, or
+        being built, and share that one compile. Thread-safe; never waits."""
+        for constraint in constraints:
+            self._pool.submit(self._warm, constraint)
+
+    def _warm(self, constraint: Constraint) -> None:
+        try:
+            self.compiler.matcher(constraint)
+        except Exception:  # the sequence's own build reports it, to it alone
+            pass
+
     def add(self, seq_id: str, constraint: Constraint, generated: Sequence[int]) -> None:
         """Starts building ``seq_id``'s matcher off this thread; it replays the tokens the
         sequence generated before a resume."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self.options.num_compile_threads, thread_name_prefix="grammar-compile"
-            )
         future = self._pool.submit(self._build, seq_id, constraint, tuple(generated))
         self._compiles[seq_id] = _Compile(constraint.kind, future, time.monotonic())
 

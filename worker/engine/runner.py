@@ -144,6 +144,12 @@ class ModelRunner:
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    def prefetch_grammars(self, plan: StepPlan) -> None:
+        """Starts compiling the grammars of ``plan``'s new sequences now, from the thread that
+        reads plans, while earlier steps run (thread-safe; never waits)."""
+        news = plan.new_sequences
+        self.constraints.prefetch([c for n in news if (c := n.sampling.constraint) is not None])
+
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
         moved = None
