@@ -86,12 +86,18 @@ def run_round(
     )
     seq_ids = [n.seq_id for n in news]
     runner.step(StepPlan(0, news, tuple(ScheduledSequence(s, len(prompt)) for s in seq_ids)))
-    for s in seq_ids:  # the first masks wait for the compiles: leave them out of the figure
-        runner.constraints.settle(s)
+    for s in seq_ids:  # the compiles are not what this measures: leave them out
+        runner.constraints.settle(s, wait=30)
     live = set(seq_ids)
     thread0, process0 = time.thread_time(), time.process_time()
     for step in range(1, steps + 1):
-        plan = StepPlan(step, (), tuple(ScheduledSequence(s, 1) for s in seq_ids if s in live))
+        # as the scheduler plans: a row deferred at the prefill computes its prompt again
+        seqs = [runner.sequences[s] for s in seq_ids if s in live]
+        plan = StepPlan(
+            step,
+            (),
+            tuple(ScheduledSequence(q.seq_id, len(q.tokens) - q.num_computed) for q in seqs),
+        )
         result = runner.step(plan)
         live -= {t.seq_id for t in result.tokens if t.token_id in loaded.eos_token_ids}
         live -= {f.seq_id for f in result.failed}
