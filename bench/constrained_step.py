@@ -46,17 +46,20 @@ LONG = {
 PER = 16  # blocks per sequence
 
 
-def schemas(num: int) -> list[Constraint]:
-    """``num`` constraints: real schemas wrapped so the answer is a long list of them."""
+def schemas(num: int, model_dir: Path) -> list[Constraint]:
+    """``num`` constraints: real schemas the engine compiles with the model's tokenizer,
+    wrapped so the answer is a long list of them."""
     from bench.structured_data import load_sample
-    from canteen.grammar import ConstraintError, grammar_text
+    from canteen.grammar import ConstraintError, GrammarCompiler
+    from worker.engine.constrain import load_tokenizer
 
+    compiler = GrammarCompiler(load_tokenizer(str(model_dir), "safetensors"))
     out = []
     for _, schema in load_sample()[0]:
         wrapped = {"type": "array", "minItems": 40, "items": schema}
         constraint = Constraint("json_schema", text=json.dumps(wrapped))
         try:
-            grammar_text(constraint)
+            compiler.compile(constraint)
         except ConstraintError:
             continue
         out.append(constraint)
@@ -88,7 +91,8 @@ def run_round(
     runner.step(StepPlan(0, news, tuple(ScheduledSequence(s, len(prompt)) for s in seq_ids)))
     for s in seq_ids:  # the compiles are not what this measures: leave them out
         runner.constraints.settle(s, wait=30)
-    live = set(seq_ids)
+    live = set(seq_ids) & set(runner.sequences)
+    assert len(live) == rows, "a sequence failed at its prefill"
     thread0, process0 = time.thread_time(), time.process_time()
     for step in range(1, steps + 1):
         # as the scheduler plans: a row deferred at the prefill computes its prompt again
@@ -123,7 +127,7 @@ def main() -> None:
         loaded = load_model(
             str(model_dir), "safetensors", "", torch.device("cpu"), torch.float32, False
         )
-        constraints = schemas(args.rows)
+        constraints = schemas(args.rows, model_dir)
         run_round(loaded, args.rows, 4, constraints)  # warm-up: both paths, once
         run_round(loaded, args.rows, 4, None)
         got: dict[str, list[tuple[float, float]]] = {"plain": [], "constrained": []}
