@@ -11,18 +11,26 @@ the ``openai`` client, in three phases on one suite:
 2. schemas: the same prompts with ``response_format: json_schema`` (each schema new to the
    suite): accepted or refused with the engine's reason, valid JSON, valid against the schema
    as written (``jsonschema``), finished within ``--max-tokens``, time to first token, time;
-3. tools: a call present, a known name, arguments valid against the function's parameters.
+3. steady: the streams of phase 2 only (the accepted schemas), with and without their
+   schema, ``--steady-rounds`` rounds alternating which goes first: tokens per second of
+   the same streams, ``--concurrency`` at a time (``tps_ratio_steady``); the plain stream
+   is cut at the tokens its constrained one made (an answer that closes its JSON early
+   would otherwise pay a request's fixed cost over fewer tokens). Phase 2's own
+   ratio (``tps_ratio``) also pays the refused schemas' compiles and runs fewer streams
+   than phase 1 (refusals take none), so it reads lower;
+4. tools: a call present, a known name, arguments valid against the function's parameters.
 
 Beside them, the engine alone (llguidance with the model's tokenizer, in this process): which
 schemas it compiles as written, and its compile time (grammar plus matcher) per schema. The
 summary checks the issue's targets: first-token time with a new schema <= 2x the plain
-request's + the engine's median compile; constrained tokens/s >= 0.8x plain; no timeouts;
+request's + the engine's median compile; constrained tokens/s >= 0.8x plain (phase 3's
+``tps_ratio_steady``: the same streams; phase 2's ``tps_ratio`` beside it); no timeouts;
 every schema the engine compiles accepted; every finished answer valid. The prompt names the
 schema (title, description) rather than pasting it, so both phases prefill the same short
 prompt and the difference is the constraint's.
 
 Usage: python bench/structured.py [--tiny] [--max-tokens 128] [--tool-max-tokens 256]
-       [--concurrency 8]
+       [--concurrency 8] [--steady-rounds 2]
        [--limit N] [--json out.json] [--keep DIR] [--tools-only]
        (--limit 16 --tiny: a short run; --keep: the suite's logs stay in DIR)
 
@@ -132,8 +140,8 @@ def validate(text: str, schema: Any) -> tuple[bool, bool]:
     return True, True
 
 
-def run_schema(client: openai.OpenAI, model: str, item: tuple[str, Any], args: Any) -> Outcome:
-    name, schema = item
+def run_schema(client: openai.OpenAI, model: str, item: tuple[Any, ...], args: Any) -> Outcome:
+    name, schema = item[:2]
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     body = {"model": model, "messages": prompt(name, schema), "max_tokens": args.max_tokens}
     out = stream(client, Outcome(name), response_format=fmt, **body)
@@ -141,9 +149,11 @@ def run_schema(client: openai.OpenAI, model: str, item: tuple[str, Any], args: A
     return out
 
 
-def run_plain(client: openai.OpenAI, model: str, item: tuple[str, Any], args: Any) -> Outcome:
-    name, schema = item
-    body = {"model": model, "messages": prompt(name, schema), "max_tokens": args.max_tokens}
+def run_plain(client: openai.OpenAI, model: str, item: tuple[Any, ...], args: Any) -> Outcome:
+    """``item``: (name, schema) or (name, schema, max_tokens)."""
+    name, schema = item[:2]
+    cut = item[2] if len(item) > 2 else args.max_tokens
+    body = {"model": model, "messages": prompt(name, schema), "max_tokens": cut}
     return stream(client, Outcome(name), **body)
 
 
@@ -213,6 +223,24 @@ def phase(
     wall = time.perf_counter() - started
     print(f"-- {name}: {len(items)} requests in {wall:.1f} s", flush=True)
     return outcomes, wall
+
+
+def steady_ratios(
+    kept: list[tuple[str, Any, int]], client: Any, model: str, args: Any
+) -> list[float]:
+    """Constrained over plain tokens/s on the same streams: the schemas that streamed in
+    the schema phase (compiled by now), each with its schema and without it, the plain one
+    cut at the tokens the constrained one made there (so both make about the same tokens
+    per request), ``--concurrency`` at a time; one ratio per round, the order alternating."""
+    ratios = []
+    for i in range(args.steady_rounds if kept else 0):
+        got: dict[str, float] = {}
+        order = [("plain", run_plain), ("schemas", run_schema)]
+        for name, run in order if i % 2 else order[::-1]:
+            outcomes, wall = phase(f"steady {name} {i + 1}", run, kept, client, model, args)
+            got[name] = sum(o.num_tokens for o in outcomes) / wall
+        ratios.append(round(got["schemas"] / got["plain"], 3))
+    return ratios
 
 
 def _median(values: list[float]) -> float | None:
@@ -286,6 +314,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write outcomes and summary here")
     parser.add_argument("--keep", type=Path, help="run the suite in this folder (its logs stay)")
     parser.add_argument("--tools-only", action="store_true", help="only the tool-calling phase")
+    parser.add_argument(
+        "--steady-rounds", type=int, default=2, help="rounds of the same-streams tokens/s pair"
+    )
     args = parser.parse_args()
     schemas, tool_cases = load_sample()
     if args.limit:
@@ -308,9 +339,17 @@ def main() -> None:
         stream(client, Outcome("warm-up"), model=model, messages=prompt("x", {}), max_tokens=4)
         plain = phase("plain", run_plain, schemas, client, model, args)
         constrained = phase("schemas", run_schema, schemas, client, model, args)
+        kept = [
+            (*s, o.num_tokens)
+            for s, o in zip(schemas, constrained[0], strict=True)
+            if o.ttft is not None and o.num_tokens > 0
+        ]
+        steady = steady_ratios(kept, client, model, args)
         tools, _ = phase("tools", run_tool, tool_cases, client, model, args)
     report(constrained[0], tools)
     summary = summarize(plain, constrained, tools, engine)
+    summary["tps_ratio_steady"] = statistics.median(steady) if steady else None
+    summary["tps_ratio_steady_rounds"] = steady
     print(json.dumps(summary, indent=2))
     if args.json:
         rows = [asdict(o) for o in constrained[0] + tools]

@@ -2,14 +2,15 @@
 
 The gateway compiles a request's constraint with the model's tokenizer before any token is
 made (on a preparation thread, never on its event loop), so a bad schema or grammar is
-refused with the engine's reason; the worker compiles the same constraint again, on its
-compile threads while the forward runs, to build a matcher per sequence. Each process keeps
-the compiled grammar in an LRU keyed by the constraint itself, so a schema seen before costs
-a dictionary lookup; the worker also keeps a matcher built once per constraint and hands each
-sequence a copy of it. Compiles run under the engine's resource limits (``LLParserLimits``)
-when given, and several may run at once: only the cache is locked, never a compile. Every
-compile counts in ``canteen_grammar_compiles_total`` (by kind and outcome). No torch here:
-the gateway imports it.
+refused with the engine's reason; the worker builds its matcher straight from the grammar
+text (one compile there, not a check and then a build), on its compile threads while its
+steps run; callers that want a constraint already being built wait for that one build.
+Each process keeps the compiled grammar in an LRU keyed by the constraint itself, so a schema
+seen before costs a dictionary lookup; the worker also keeps a matcher built once per
+constraint and hands each sequence a copy of it. Compiles run under the engine's resource
+limits (``LLParserLimits``) when given, and several may run at once: only the cache is
+locked, never a compile. Every compile counts in ``canteen_grammar_compiles_total`` (by
+kind and outcome). No torch here: the gateway imports it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 import llguidance
@@ -103,6 +105,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[Constraint, str | ConstraintError] = OrderedDict()
         # one matcher per constraint at its grammar's start, never advanced: copied per use
         self._starts: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
+        self._building: dict[Constraint, Future[llguidance.LLMatcher]] = {}
 
     def compile(self, constraint: Constraint) -> str:
         """The checked grammar of ``constraint``; raises ConstraintError with the reason."""
@@ -119,18 +122,54 @@ class GrammarCompiler:
         return found
 
     def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of ``constraint``'s grammar."""
+        """A fresh matcher at the start of ``constraint``'s grammar; raises ConstraintError.
+
+        Built straight from the grammar text (the matcher reports what ``compile`` would
+        refuse), so a process that never validated the constraint compiles it once, not
+        twice. Callers asking for a constraint that another thread is building wait for that
+        build rather than repeat it."""
         with self._lock:
             start = _lookup(self._starts, constraint)
             if start is not None:
                 return start.deep_copy()
-        grammar = self.compile(constraint)
+            building = self._building.get(constraint)
+            owner = building is None
+            if building is None:
+                building = self._building[constraint] = Future()
+        if not owner:
+            return building.result().deep_copy()
+        try:
+            start = self._build_start(constraint)
+        except BaseException as exc:  # the waiters get it too
+            building.set_exception(exc)
+            raise
+        else:
+            building.set_result(start)
+        finally:
+            with self._lock:
+                self._building.pop(constraint, None)
+        return start.deep_copy()
+
+    def _build_start(self, constraint: Constraint) -> llguidance.LLMatcher:
+        with self._lock:
+            known = self._cache.get(constraint)
+        if isinstance(known, ConstraintError):
+            raise known
+        try:
+            grammar = known or grammar_text(constraint)
+        except ConstraintError:
+            GRAMMAR_COMPILES.labels(constraint.kind, "refused").inc()
+            raise
+        # the engine builds its parser with the GIL released
         start = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
+        if known is None:
+            outcome = "refused" if start.is_error() else "compiled"
+            GRAMMAR_COMPILES.labels(constraint.kind, outcome).inc()
         if start.is_error():
             raise ConstraintError(f"{constraint.kind}: {_short(start.get_error())}")
         with self._lock:
             _store(self._starts, constraint, start)
-            return start.deep_copy()
+        return start
 
     def _check(self, constraint: Constraint) -> str | ConstraintError:
         try:

@@ -191,3 +191,6 @@ class StepResult:
     tier_moved_keys: tuple[bytes, ...] = ()
     tier_dropped_keys: tuple[bytes, ...] = ()
     reload_failed_keys: tuple[bytes, ...] = ()
+    # sequences of the plan whose grammar was still compiling when they would have sampled:
+    # the worker undid their part of the step (nothing computed, nothing sampled)
+    deferred_seq_ids: tuple[str, ...] = ()

@@ -25,6 +25,7 @@ verify drafts: scheduler/inflight.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -214,10 +215,11 @@ class BatchScheduler:
         # tokens per sequence: only a sequence verifying drafts can make more than one
         has_drafts = any(e.drafts for e in entries.values())
         made = Counter(t.seq_id for t in result.tokens) if has_drafts else Counter()
+        deferred = {i for i in result.deferred_seq_ids if i in current}
         for seq_id, seq in current.items():
             entry = entries[seq_id]
             self._sums.count(entry, -1)
-            if seq_id not in refused:
+            if seq_id not in refused and seq_id not in deferred:
                 known = seq.num_computed + entry.num_tokens
                 # accepted drafts were computed too; their tokens arrive with this result
                 accepted = max(made[seq_id] - 1, 0) if entry.drafts else 0
@@ -240,6 +242,12 @@ class BatchScheduler:
         ]
         for seq_id in retry:
             self._recompute(current[seq_id])
+        for seq_id in deferred:  # its grammar was not ready: the next plan has it again
+            seq = current[seq_id]
+            if not seq.is_on_worker and seq.status is Status.RUNNING:
+                self._recompute(seq)  # its last token's plan dropped it early: it starts over
+            else:
+                self._replan_deferred(seq)
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent.of(seq, finish=Finish.CANCELLED))
@@ -370,6 +378,22 @@ class BatchScheduler:
         self.num_cached_prompt_tokens -= seq.num_cached_tokens
         seq.first_scheduled_time, seq.num_cached_tokens = None, 0
         self._preempt(seq)
+
+    def _replan_deferred(self, seq: Sequence) -> None:
+        """The worker undid ``seq``'s part of a step: a later plan in flight computes its next
+        tokens from where it really is, so its entry samples only if it reaches the end."""
+        at, known = seq.num_computed, seq.num_tokens
+        for _, entries in self._in_flight:
+            entry = entries.get(seq.seq_id)
+            if entry is None or not entry.is_current:
+                continue
+            at += entry.num_tokens
+            samples = at == known
+            known += samples
+            if samples != entry.samples:
+                self._sums.count(entry, -1)
+                entries[seq.seq_id] = entry = dataclasses.replace(entry, samples=samples)
+                self._sums.count(entry, 1)
 
     def _drop_early(self, seq: Sequence) -> None:
         """This plan samples ``seq``'s last token: its blocks go back now, and its drop rides

@@ -149,6 +149,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             try:
                 async for msg in request_iterator:
                     plan = plan_from_pb(msg)
+                    runner.prefetch_grammars(plan)  # compiles start before the plan runs
                     self._log_plan(plan)
                     self._spans.on_plan(plan)
                     queued.put_nowait((plan, loop.run_in_executor(self._engine, runner.step, plan)))

@@ -441,6 +441,7 @@ class StepResult(_message.Message):
     TIER_MOVED_KEYS_FIELD_NUMBER: _builtins.int
     TIER_DROPPED_KEYS_FIELD_NUMBER: _builtins.int
     RELOAD_FAILED_KEYS_FIELD_NUMBER: _builtins.int
+    DEFERRED_SEQ_IDS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The plan's step id."""
     num_tokens: _builtins.int
@@ -493,6 +494,13 @@ class StepResult(_message.Message):
         that needed them were refused and are recomputed, never served the block.
         """
 
+    @_builtins.property
+    def deferred_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Sequences of the plan whose grammar was still compiling when they would have sampled:
+        the worker undid their part of this step (it computed and sampled nothing for them),
+        so the scheduler plans them again; the rest of the step ran.
+        """
+
     def __init__(
         self,
         *,
@@ -509,10 +517,11 @@ class StepResult(_message.Message):
         tier_moved_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         tier_dropped_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         reload_failed_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        deferred_seq_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters_changed", b"adapters_changed", "failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed", b"num_proposed", "num_tokens", b"num_tokens", "reload_failed_keys", b"reload_failed_keys", "resident_adapters", b"resident_adapters", "step_id", b"step_id", "tier_dropped_keys", b"tier_dropped_keys", "tier_moved_keys", b"tier_moved_keys", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters_changed", b"adapters_changed", "deferred_seq_ids", b"deferred_seq_ids", "failed", b"failed", "num_accepted_tokens", b"num_accepted_tokens", "num_draft_tokens", b"num_draft_tokens", "num_proposed", b"num_proposed", "num_tokens", b"num_tokens", "reload_failed_keys", b"reload_failed_keys", "resident_adapters", b"resident_adapters", "step_id", b"step_id", "tier_dropped_keys", b"tier_dropped_keys", "tier_moved_keys", b"tier_moved_keys", "timings", b"timings", "tokens", b"tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

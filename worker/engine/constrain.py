@@ -9,13 +9,18 @@ far: a sequence resumed after a preemption or a failover replays them into a fre
 Grammar work stays off the step thread's path where it can:
 
     start-up       the tokenizer and the engine's view of it load on their own thread
-    plan arrives   compile starts on a small thread pool (under the worker's limits)
+    plan arrives   compile starts on a small thread pool (under the worker's limits), as
+                   soon as the plan is read, while the steps before it still run
     step top       masks of the rows this step samples start filling, all in one
                    parallel llguidance call (a row's mask needs only its earlier tokens)
     forward        runs meanwhile, on the step thread
-    sampling       waits for those masks, and for a matcher still compiling at most until
-                   its deadline; a grammar that misses it, or breaks a limit, fails its
-                   sequence alone and the other rows sample as they would have
+    sampling       waits for those masks (one masked_fill over the constrained rows),
+                   never for a compile: a row whose matcher is still compiling is
+                   deferred (its step is undone and the scheduler plans it again); a
+                   grammar not built by its deadline, or over a limit, fails its sequence
+                   alone, and the other rows sample as they would have
+    next step top  the sampled tokens go to every matcher in one parallel call, then
+                   the masks fill, both on the mask thread
 """
 
 from __future__ import annotations
@@ -105,11 +110,11 @@ class StepMasks:
     seq_ids: list[str]
     bits: np.ndarray | None  # int32 [len(seq_ids), words] (llguidance's layout), once needed
     filled: set[int]  # rows the early fill covers
-    early: Future[None] | None  # that fill, running while the forward does
+    early: Future[torch.Tensor] | None  # that fill, running while the forward does: the
+    # rows' blocked tokens (bool [len(seq_ids), vocab]), unpacked on the mask thread too
 
-    def wait(self) -> None:
-        if self.early is not None:
-            self.early.result()
+    def wait(self) -> torch.Tensor | None:
+        return None if self.early is None else self.early.result()
 
 
 class Constraints:
@@ -132,8 +137,12 @@ class Constraints:
         self._loaded_at = 0.0
         self._compiles: dict[str, _Compile] = {}
         self._matchers: dict[str, llguidance.LLMatcher] = {}
-        # made on the first constrained sequence: a worker that never sees one has no threads
-        self._pool: ThreadPoolExecutor | None = None
+        # tokens sampled last step, not yet fed to their matchers (the next fill does it)
+        self._unconsumed: list[tuple[llguidance.LLMatcher, int]] = []
+        # its threads start with the first constrained sequence
+        self._pool = ThreadPoolExecutor(
+            self.options.num_compile_threads, thread_name_prefix="grammar-compile"
+        )
         self._mask_thread: ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
 
@@ -161,13 +170,22 @@ class Constraints:
         except Exception as exc:  # the first compile tries again and fails its sequence
             log.warning("grammar tokenizer did not load", error=str(exc))
 
+    def prefetch(self, constraints: Sequence[Constraint]) -> None:
+        """Starts compiling the constraints of a plan that has arrived but not run yet (the
+        steps before it still running): their sequences then find the grammar built, or
+        being built, and share that one compile. Thread-safe; never waits."""
+        for constraint in constraints:
+            self._pool.submit(self._warm, constraint)
+
+    def _warm(self, constraint: Constraint) -> None:
+        try:
+            self.compiler.matcher(constraint)
+        except Exception:  # the sequence's own build reports it, to it alone
+            pass
+
     def add(self, seq_id: str, constraint: Constraint, generated: Sequence[int]) -> None:
         """Starts building ``seq_id``'s matcher off this thread; it replays the tokens the
         sequence generated before a resume."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self.options.num_compile_threads, thread_name_prefix="grammar-compile"
-            )
         future = self._pool.submit(self._build, seq_id, constraint, tuple(generated))
         self._compiles[seq_id] = _Compile(constraint.kind, future, time.monotonic())
 
@@ -181,6 +199,7 @@ class Constraints:
         for seq_id in list(self._compiles):
             self.drop(seq_id)
         self._matchers.clear()
+        self._unconsumed.clear()
 
     def failure(self, seq_id: str) -> str | None:
         """Why ``seq_id``'s grammar failed, if its compile has ended and failed; never waits."""
@@ -189,37 +208,60 @@ class Constraints:
             return None
         return self.settle(seq_id)
 
-    def settle(self, seq_id: str) -> str | None:
-        """Waits for ``seq_id``'s matcher, at most until its deadline; returns the error
-        that fails the sequence, or None when it is ready (or unconstrained). The deadline
-        counts from its arrival, or from the end of the worker's one load of the tokenizer
-        if that came later: the load is the worker's cost, not the grammar's."""
-        pending = self._compiles.pop(seq_id, None)
+    def is_pending(self, seq_id: str) -> bool:
+        """Whether ``seq_id``'s matcher is still being built (``settle`` has not taken it)."""
+        return seq_id in self._compiles
+
+    def settle(self, seq_id: str, wait: float = 0.0) -> str | None:
+        """Takes ``seq_id``'s matcher once its compile has ended, waiting at most ``wait``
+        seconds for it; returns the error that fails the sequence, or None: ready,
+        unconstrained, or still compiling (``is_pending``). A compile not done by its deadline
+        fails. The deadline counts from the sequence's arrival, or from the end of the
+        worker's one load of the tokenizer if that came later: the load is the worker's cost,
+        not the grammar's."""
+        pending = self._compiles.get(seq_id)
         if pending is None:
             return None
-        self._loaded.wait()
-        start = max(pending.arrived, self._loaded_at)
-        left = max(start + self.options.compile_timeout - time.monotonic(), 0.0)
+        if not pending.future.done():
+            deadline = self._deadline(pending)
+            bound = wait if deadline is None else min(wait, deadline - time.monotonic())
+            if bound > 0:
+                concurrent.futures.wait([pending.future], timeout=bound)
+            if not pending.future.done():
+                if deadline is None or time.monotonic() < deadline:
+                    return None  # not ready yet, and not late
+                del self._compiles[seq_id]
+                pending.future.cancel()
+                timeout = self.options.compile_timeout
+                return (
+                    f"sequence {seq_id}: {pending.kind}: its grammar did not compile within "
+                    f"grammar_compile_timeout={timeout:g}s (the worker's "
+                    "--grammar-compile-timeout)"
+                )
+        del self._compiles[seq_id]
         try:
-            self._matchers[seq_id] = pending.future.result(timeout=left)
-        except concurrent.futures.TimeoutError:
-            pending.future.cancel()
-            timeout = self.options.compile_timeout
-            return (
-                f"sequence {seq_id}: {pending.kind}: its grammar did not compile within "
-                f"grammar_compile_timeout={timeout:g}s (the worker's --grammar-compile-timeout)"
-            )
+            self._matchers[seq_id] = pending.future.result()
         except EntryError as exc:
             return str(exc)
         except Exception as exc:  # the engine or the tokenizer broke: this sequence only
             return f"sequence {seq_id}: {pending.kind}: its grammar did not compile: {exc}"
         return None
 
+    def _deadline(self, pending: _Compile) -> float | None:
+        """When ``pending`` must have compiled (time.monotonic()); None while the tokenizer
+        still loads."""
+        if not self._loaded.is_set():
+            return None
+        return max(pending.arrived, self._loaded_at) + self.options.compile_timeout
+
     def begin(self, seq_ids: Sequence[str]) -> StepMasks | None:
         """Starts filling the masks of the constrained ones among ``seq_ids`` (the sequences
-        this step samples) whose matchers are ready; the forward runs meanwhile."""
+        this step samples) whose matchers are ready, in one parallel call off this thread;
+        the forward runs meanwhile. Never waits for a compile."""
+        unconsumed, self._unconsumed = self._unconsumed, []
         rows = [s for s in seq_ids if s in self._matchers or s in self._compiles]
         if not rows:
+            self._consume(unconsumed)
             return None
         for seq_id in rows:
             pending = self._compiles.get(seq_id)
@@ -229,41 +271,87 @@ class Constraints:
         masks = StepMasks(rows, None, {i for _, i in ready}, None)
         if ready:  # a matcher exists, so the compiler (and its tokenizer) does too
             masks.bits = self._new_bits(len(rows))
-            masks.early = self._masker().submit(self._fill, ready, masks.bits)
+            masks.early = self._masker().submit(self._prepare, unconsumed, ready, masks.bits)
+        else:
+            self._consume(unconsumed)
         return masks
 
     def mask(self, logits: torch.Tensor, seq_ids: Sequence[str], masks: StepMasks) -> None:
-        """Sets to -inf, in place, every logit a row's grammar does not allow next; rows of
-        ``seq_ids`` without a matcher are left alone."""
-        masks.wait()
+        """Sets to -inf, in place, every logit a row's grammar does not allow next, in one
+        ``masked_fill`` over the rows; rows of ``seq_ids`` without a matcher are left alone."""
+        blocked = masks.wait()
         at = {s: i for i, s in enumerate(masks.seq_ids)}
-        rows = [(row, s) for row, s in enumerate(seq_ids) if s in at and s in self._matchers]
+        rows = [(row, at[s]) for row, s in enumerate(seq_ids) if s in at and s in self._matchers]
         if not rows:
             return
-        if masks.bits is None:
-            masks.bits = self._new_bits(len(masks.seq_ids))
-        late = [(self._matchers[s], at[s]) for _, s in rows if at[s] not in masks.filled]
-        if late:  # compiled during the forward
-            self._fill(late, masks.bits)
-        vocab = logits.shape[-1]
-        allowed = np.unpackbits(masks.bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        late = [(self._matchers[masks.seq_ids[i]], i) for _, i in rows if i not in masks.filled]
+        if late or blocked is None or blocked.shape[1] != logits.shape[-1]:
+            if masks.bits is None:
+                masks.bits = self._new_bits(len(masks.seq_ids))
+            if late:  # compiled during the forward
+                self._fill(late, masks.bits)
+            matchers = [self._matchers.get(s) for s in masks.seq_ids]
+            blocked = self._blocked(masks.bits, matchers, logits.shape[-1])
+        picked = [i for _, i in rows]
+        if picked != list(range(blocked.shape[0])):
+            blocked = blocked[picked]
+        blocked = blocked.to(logits.device)
+        if len(rows) == logits.shape[0]:  # every row constrained: no gather, no scatter
+            logits.masked_fill_(blocked, float("-inf"))
+            return
+        index = torch.tensor([row for row, _ in rows], device=logits.device)
+        logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
+
+    def _blocked(
+        self, bits: np.ndarray, matchers: list[llguidance.LLMatcher | None], vocab: int
+    ) -> torch.Tensor:
+        """The tokens each row may not take next (bool [rows, vocab]); a row whose grammar
+        allows nothing (or broke) may only end its sequence rather than emit free text."""
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
         allowed = allowed.astype(bool)
         if allowed.shape[1] < vocab:
             allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
-        picked = [self._or_eos(self._matchers[s], allowed[at[s]]) for _, s in rows]
-        index = torch.tensor([row for row, _ in rows], device=logits.device)
-        blocked = torch.from_numpy(~np.stack(picked)).to(logits.device)
-        logits[index] = logits[index].masked_fill_(blocked, float("-inf"))
+        stuck = np.logical_not(allowed.any(axis=1))
+        for k, matcher in enumerate(matchers):
+            if matcher is not None and (stuck[k] or matcher.is_error()):
+                allowed[k] = False
+                allowed[k, [e for e in self.eos_ids if e < vocab]] = True
+        return torch.from_numpy(~allowed)
 
     def finish(self, masks: StepMasks | None) -> None:
         """Waits for the step's early fill, if any, however the step ended."""
         if masks is not None and masks.early is not None:
             concurrent.futures.wait([masks.early])
 
-    def advance(self, seq_id: str, token: int) -> None:
-        matcher = self._matchers.get(seq_id)
-        if matcher is not None:
-            matcher.consume_token(token)
+    def advance(self, tokens: Sequence[tuple[str, int]]) -> None:
+        """Queues each constrained sequence's sampled tokens, in order, for its matcher: the
+        next step's early fill consumes them all in one parallel call before it computes
+        the masks, off this thread (a token the grammar refuses leaves that matcher in
+        error, and its next mask allows only the end)."""
+        found = ((self._matchers.get(s), t) for s, t in tokens)
+        self._unconsumed += [(m, t) for m, t in found if m is not None]
+
+    def _consume(self, pairs: list[tuple[llguidance.LLMatcher, int]]) -> None:
+        if len({id(m) for m, _ in pairs}) < len(pairs):  # several tokens of one sequence
+            for matcher, token in pairs:
+                matcher.consume_token(token)
+        elif pairs:
+            self._parallel().consume_token_par(pairs)
+
+    def _prepare(
+        self,
+        pairs: list[tuple[llguidance.LLMatcher, int]],
+        rows: list[tuple[llguidance.LLMatcher, int]],
+        bits: np.ndarray,
+    ) -> torch.Tensor:
+        """On the mask thread: last step's tokens consumed, then the masks filled and
+        unpacked into the tokens each row may not take."""
+        self._consume(pairs)
+        self._fill(rows, bits)
+        by_row: list[llguidance.LLMatcher | None] = [None] * len(bits)
+        for matcher, i in rows:
+            by_row[i] = matcher
+        return self._blocked(bits, by_row, self.vocab_size)
 
     def _build(
         self, seq_id: str, constraint: Constraint, generated: Sequence[int]
@@ -287,18 +375,14 @@ class Constraints:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         return self._mask_thread
 
-    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], bits: np.ndarray) -> None:
+    def _parallel(self) -> llguidance.LLExecutor:
         if self._executor is None:
             threads = self.options.num_mask_threads or None
             self._executor = llguidance.LLExecutor(threads)
-        fill_next_token_bitmask_par(self._executor, rows, bits)
+        return self._executor
 
-    def _or_eos(self, matcher: llguidance.LLMatcher, allowed: np.ndarray) -> np.ndarray:
-        if matcher.is_error() or not allowed.any():
-            # a matcher that can go nowhere ends the sequence rather than emit free text
-            allowed = np.zeros_like(allowed)
-            allowed[[e for e in self.eos_ids if e < len(allowed)]] = True
-        return allowed
+    def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], bits: np.ndarray) -> None:
+        fill_next_token_bitmask_par(self._parallel(), rows, bits)
 
 
 def _name_limit(message: str) -> str:

@@ -37,6 +37,10 @@ from worker.model.loader import LoadedModel
 from worker.speculation.draft import DraftModel, DraftRequest, can_share_kv
 from worker.speculation.speculate import SpeculationConfig, accept, propose_ngram
 
+# How long a step that holds only sequences whose grammars still compile waits for one of
+# them (seconds): nobody else waits behind it, and the scheduler need not plan it again.
+IDLE_COMPILE_WAIT = 0.01
+
 
 @dataclass
 class SequenceState:
@@ -140,6 +144,12 @@ class ModelRunner:
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    def prefetch_grammars(self, plan: StepPlan) -> None:
+        """Starts compiling the grammars of ``plan``'s new sequences now, from the thread that
+        reads plans, while earlier steps run (thread-safe; never waits)."""
+        news = plan.new_sequences
+        self.constraints.prefetch([c for n in news if (c := n.sampling.constraint) is not None])
+
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
         moved = None
@@ -169,6 +179,7 @@ class ModelRunner:
             )
         # the masks of the rows this step samples fill while the forward runs
         masks = self.constraints.begin([i.seq_id for i in plan.scheduled if self._samples(i)])
+        deferred: list[str] = []
         try:
             forward_start = time.perf_counter_ns()
             logits, sample_rows = self._forward(plan)
@@ -179,7 +190,7 @@ class ModelRunner:
                 if s.num_draft_tokens
             }
             num_drafts = sum(proposed.values())
-            tokens = self._sample_and_advance(plan, logits, sample_rows, masks, failed)
+            tokens = self._sample_and_advance(plan, logits, sample_rows, masks, failed, deferred)
         finally:
             self.constraints.finish(masks)  # no fill outlives its step
         done = time.perf_counter_ns()
@@ -187,6 +198,7 @@ class ModelRunner:
             step_id=plan.step_id,
             tokens=tuple(tokens),
             failed=tuple(failed),
+            deferred_seq_ids=tuple(deferred),
             num_tokens=plan.num_tokens + num_drafts,
             num_draft_tokens=num_drafts,
             num_accepted_tokens=len(tokens) - len({t.seq_id for t in tokens}),
@@ -394,21 +406,31 @@ class ModelRunner:
         sample_rows: list[int],
         masks: StepMasks | None,
         failed: list[FailedSequence],
+        deferred: list[str],
     ) -> list[SampledToken]:
-        """Samples and appends the step's tokens; a sequence whose grammar is not ready by
-        its deadline goes to ``failed`` instead, and the other rows sample as they would."""
-        sampling_seqs: list[SequenceState] = []
+        """Samples and appends the step's tokens. A constrained sequence whose grammar is
+        still compiling goes to ``deferred``: its part of the step is undone (it samples
+        nothing and its computed count stays) for the scheduler to plan again; one whose
+        grammar failed goes to ``failed``; the other rows sample as they would alone."""
+        # one row per sampled position: a sequence's last token, then each of its drafts
+        sampling_seqs = [self.sequences[i.seq_id] for i in plan.scheduled if self._samples(i)]
+        per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
+        rows = logits[: len(per_row)]  # the sampler ranks bfloat16 logits in float32
+        held: set[str] = set()
+        if masks is not None:
+            held = self._settle(sampling_seqs, len(plan.scheduled), failed, deferred)
         for item in plan.scheduled:
+            if item.seq_id in held:
+                continue
             seq = self.sequences[item.seq_id]
             seq.num_computed += item.num_tokens
             self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed, seq.root)
-            if seq.num_computed == len(seq.tokens):
-                sampling_seqs.append(seq)
-        # one row per sampled position: a sequence's last token, then each of its drafts
-        per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
-        rows = logits[: len(per_row)]  # the sampler ranks bfloat16 logits in float32
-        if masks is not None:
-            rows, sampling_seqs, per_row = self._settle(rows, sampling_seqs, per_row, failed)
+        if held:
+            keep = [r for r, (s, _) in enumerate(per_row) if s.seq_id not in held]
+            with torch.inference_mode():
+                rows = rows[torch.tensor(keep, dtype=torch.long, device=rows.device)]
+            per_row = [per_row[r] for r in keep]
+            sampling_seqs = [s for s in sampling_seqs if s.seq_id not in held]
         if not sampling_seqs:
             return []
         seq_ids = [s.seq_id for s, _ in per_row]
@@ -428,7 +450,6 @@ class ModelRunner:
                 self.draft.verified(seq.seq_id, len(seq.tokens), len(kept))
             for i, token in enumerate(kept):
                 seq.tokens.append(token)
-                self.constraints.advance(seq.seq_id, token)
                 out.append(SampledToken(seq.seq_id, token, logprobs[row + i], tops[row + i]))
             if len(kept) > 1:  # the accepted drafts' KV was computed with the right tokens
                 seq.num_computed += len(kept) - 1
@@ -437,24 +458,31 @@ class ModelRunner:
                 )
             seq.drafts = []
             row += n
+        if masks is not None:
+            self.constraints.advance([(t.seq_id, t.token_id) for t in out])
         return out
 
     def _settle(
         self,
-        rows: torch.Tensor,
         seqs: list[SequenceState],
-        per_row: list[tuple[SequenceState, int]],
+        num_scheduled: int,
         failed: list[FailedSequence],
-    ) -> tuple[torch.Tensor, list[SequenceState], list[tuple[SequenceState, int]]]:
-        """Waits for the matchers of the constrained ``seqs`` (each up to its deadline);
-        drops the sequences whose grammar failed, with their logit rows."""
-        errors = {s.seq_id: e for s in seqs if (e := self.constraints.settle(s.seq_id))}
-        if not errors:
-            return rows, seqs, per_row
-        for seq_id, error in errors.items():
-            failed.append(FailedSequence(seq_id, error, is_request_error=True))
-            self._drop(seq_id)
-        keep = [r for r, (s, _) in enumerate(per_row) if s.seq_id not in errors]
-        with torch.inference_mode():
-            kept_rows = rows[torch.tensor(keep, dtype=torch.long, device=rows.device)]
-        return kept_rows, [s for s in seqs if s.seq_id not in errors], [per_row[r] for r in keep]
+        deferred: list[str],
+    ) -> set[str]:
+        """Takes the matchers of the constrained ``seqs`` that compiled, without waiting
+        for one still compiling, unless the step holds nothing else (then briefly: nobody
+        waits behind it); returns the ids that do not sample this step: failed (dropped) or
+        deferred."""
+        pending = [s.seq_id for s in seqs if self.constraints.is_pending(s.seq_id)]
+        until = time.monotonic() + (IDLE_COMPILE_WAIT if len(pending) == num_scheduled else 0.0)
+        held: set[str] = set()
+        for seq in seqs:
+            error = self.constraints.settle(seq.seq_id, until - time.monotonic())
+            if error is not None:
+                failed.append(FailedSequence(seq.seq_id, error, is_request_error=True))
+                self._drop(seq.seq_id)
+                held.add(seq.seq_id)
+            elif self.constraints.is_pending(seq.seq_id):
+                deferred.append(seq.seq_id)
+                held.add(seq.seq_id)
+        return held
