@@ -292,3 +292,25 @@ def test_a_process_killed_mid_write_leaves_no_torn_block(tmp_path: Path) -> None
     assert reader.keys() == [b"w" * 16]  # the whole block, never the torn one
     assert reader.get(b"t" * 16) is None
     assert reader.get(b"w" * 16) == TierBlock(b"c" * 16, b"x" * 50_000)
+
+
+def test_reads_started_on_arrival_serve_the_reload_and_none_is_left_behind(
+    tmp_path: Path,
+) -> None:
+    pool = _pool()
+    ledger = BlockLedger(4, 8, 100)
+    ledger.computed([1], list(range(8)), [], 8)
+    disk = DiskTier(tmp_path, 1 << 20, V1)
+    tiers = KVTiers(host_bytes=0, disk=disk, version=V1)
+    move(tiers, pool, ledger, [(1, _key(1))], [], False)
+    assert tiers.writer is not None
+    tiers.writer.flush()
+    want = pool[:, :, 1].clone()
+    pool.zero_()
+    ledger.hold([2])
+    tiers.prefetch((_key(1), _key(9)))  # as the plan arrives, while another step runs
+    disk.path(_key(1)).unlink()  # served from the bytes read ahead
+    report = move(tiers, pool, ledger, [], [(3, _key(1)), (2, _key(9))], False)
+    assert report.reload_failed_keys == [_key(9)]  # block 2 is held: never overwritten
+    assert torch.equal(pool[:, :, 3], want)
+    assert tiers.writer._reads == {}

@@ -99,7 +99,6 @@ class KVTiers:
                 self.writer.get_many([k for k, b in zip(keys, blocks, strict=True) if b is None])
             )
             blocks = [b if b is not None else next(found) for b in blocks]
-            self.writer.forget_reads(keys)
         for key, block in zip(keys, blocks, strict=True):
             if block is None:
                 self.fail(key)
@@ -111,6 +110,11 @@ class KVTiers:
         """Starts the disk reads a plan's reloads will need (any thread, as it arrives)."""
         if self.writer is not None and keys:
             self.writer.prefetch([key for key in keys if key not in self.host])
+
+    def forget_reads(self, keys: list[bytes]) -> None:
+        """Drops the reads started for ``keys`` that no reload collected."""
+        if self.writer is not None:
+            self.writer.forget_reads(keys)
 
     def drop(self, key: bytes) -> None:
         self._report.tier_dropped_keys.append(key)
@@ -175,6 +179,7 @@ def move(
         else:
             wanted.append((block, key))
     found = tiers.get_many([key for _, key in wanted])
+    tiers.forget_reads([key for _, key in reloads])  # started on arrival, then not needed
     size = block_bytes(pool)
     loaded = []
     for (block, key), got in zip(wanted, found, strict=True):
