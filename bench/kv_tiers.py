@@ -13,10 +13,10 @@ too small for it, with tiers against without. Each part runs both sides in one r
         the clock starts, as a product's steady state has it warm); each turn sends the
         system prompt plus the whole history (about 64 new user tokens per turn) and asks
         for 32 tokens. Conversations start --stagger seconds apart and wait --think seconds
-        between turns, as users do. The pool of 256 blocks (4,096 tokens) holds the system
-        prompt and a few histories, not all: output throughput and TTFT p50/p99 with a host
-        tier (--kv-host-bytes 2GiB) against the same stack without one (same pool, same
-        prefix cache, same flags otherwise), alternating which runs first.
+        between turns, as users do. The pool (256 blocks, 4,096 tokens; 160 with --short)
+        holds the system prompt and a few histories, not all: output throughput and TTFT
+        p50/p99 with a host tier (--kv-host-bytes 2GiB) against the same stack without one
+        (same pool, same prefix cache, same flags otherwise), alternating which runs first.
         Goals: >= 1.5x throughput, <= 0.5x p99 TTFT.
 
   copies  What a step pays per SmolLM2 block (bfloat16, Canteen's head-major pool of 30
@@ -106,7 +106,12 @@ def ttft(tokenizer: object, tmp: Path, rounds: int) -> dict[str, object]:
 
 
 SYSTEM_TOKENS = 2000
-CHAT_POOL = ["--num-kv-blocks", "256"]
+
+
+def chat_pool(conversations: int) -> list[str]:
+    """The system prompt's 126 blocks plus 4 per conversation: 256 blocks for the full load,
+    160 for --short, so no load's histories all fit (8 x 4 turns need about 300)."""
+    return ["--num-kv-blocks", str(128 + 4 * conversations)]
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,7 @@ def chat_once(
 
 
 def chat(tokenizer: object, tmp: Path, rounds: int, load: ChatLoad) -> dict[str, object]:
-    worker = [*THREADS, *CHAT_POOL]
+    worker = [*THREADS, *chat_pool(load.conversations)]
     runs: dict[str, list[dict[str, float]]] = {"tiers": [], "no_tiers": []}
     with (
         default_model_stack(tmp / "tiers", [], [*worker, *HOST_TIER]) as on,
