@@ -314,3 +314,33 @@ def test_reads_started_on_arrival_serve_the_reload_and_none_is_left_behind(
     assert report.reload_failed_keys == [_key(9)]  # block 2 is held: never overwritten
     assert torch.equal(pool[:, :, 3], want)
     assert tiers.writer._reads == {}
+
+
+def test_a_reload_into_the_blocks_of_a_sequence_the_same_plan_drops_runs(
+    loaded: LoadedModel, tiny_model_dir: Path
+) -> None:
+    """The scheduler hands a finished sequence's blocks out again in the plan that drops it
+    (KVManager.release_early): the reload must not find them still held."""
+    runner = ModelRunner(loaded, RunnerConfig(16, BS, max_batched_tokens=256))
+    runner.tiers = KVTiers(host_bytes=1 << 22)
+    prompt = [(i * 7) % 180 + 9 for i in range(4 * BS + 3)]
+    greedy = Sampling(temperature=0.0)
+    first = NewSequence("a", tuple(prompt), greedy, (0, 1, 2, 3, 4), 0)
+    runner.step(StepPlan(1, (first,), (ScheduledSequence("a", len(prompt)),)))
+    keys = tuple(_key(40 + i) for i in range(4))
+    runner.step(StepPlan(2, offload_block_ids=(0, 1, 2, 3), offload_keys=keys))
+    runner.kv_pool.zero_()
+    again = NewSequence("b", tuple(prompt), greedy, (4, 3, 2, 1, 0), 4 * BS)
+    result = runner.step(
+        StepPlan(
+            3,
+            (again,),
+            (ScheduledSequence("b", 3),),
+            dropped_seq_ids=("a",),
+            reload_block_ids=(4, 3, 2, 1),  # "a" held them until this plan
+            reload_keys=keys,
+        )
+    )
+    assert result.failed == () and result.reload_failed_keys == ()
+    [token] = [t.token_id for t in result.tokens]
+    assert _greedy_after(runner, "b", token, 5) == reference.greedy(tiny_model_dir, prompt, 6)
