@@ -344,3 +344,23 @@ def test_a_reload_into_the_blocks_of_a_sequence_the_same_plan_drops_runs(
     assert result.failed == () and result.reload_failed_keys == ()
     [token] = [t.token_id for t in result.tokens]
     assert _greedy_after(runner, "b", token, 5) == reference.greedy(tiny_model_dir, prompt, 6)
+
+
+def test_a_block_offloaded_by_the_plan_that_reloads_it_is_found_after_an_early_read(
+    tmp_path: Path,
+) -> None:
+    """The scheduler may evict a block for a reload and reload it in the same plan: the read
+    started on arrival finds no file, the step's offload then writes it."""
+    pool = _pool()
+    ledger = BlockLedger(4, 8, 100)
+    ledger.computed([1], list(range(8)), [], 8)
+    tiers = KVTiers(host_bytes=0, disk=DiskTier(tmp_path, 1 << 20, V1), version=V1)
+    assert tiers.writer is not None
+    want = pool[:, :, 1].clone()
+    tiers.prefetch((_key(1),))  # the plan arrives: nothing on disk yet
+    tiers.writer.flush()
+    move(tiers, pool, ledger, [(1, _key(1))], [], False)  # the step's offload
+    tiers.writer.flush()  # written and no longer queued before the reload looks
+    report = move(tiers, pool, ledger, [], [(3, _key(1))], False)
+    assert report.reload_failed_keys == []
+    assert torch.equal(pool[:, :, 3], want)

@@ -86,7 +86,10 @@ class DiskWriter:
             if staged is not None:
                 out.append(staged)
             elif read is not None:
-                out.append(self.disk.accept(key, read.result()))
+                data = read.result()
+                if isinstance(data, OSError):  # read before the step's own offload wrote it
+                    data = self.disk.read(key)
+                out.append(self.disk.accept(key, data))
             else:
                 out.append(self.disk.get(key))
         return out
