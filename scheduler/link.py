@@ -74,6 +74,7 @@ class WorkerDescription:
     kv_version: str = ""  # the model version digest its KV blocks belong to
     kv_disk_keys: tuple[bytes, ...] = ()  # blocks of that version its disk tier held
     kv_disk_id: str = ""  # "host:/path" of its disk tier; one id, one shared index
+    kv_host_keys: tuple[bytes, ...] = ()  # blocks its host tier held when it was described
 
     @property
     def has_tiers(self) -> bool:
@@ -110,7 +111,11 @@ class WorkerLink:
             # the version digest too: tier blocks outlive a worker, and a key names its KV
             cache_salt=f"{desc.model}:{desc.version}:{desc.kv_version}",
         )
-        tiers = TierIndex(desc.kv_disk_id, desc.kv_disk_keys) if desc.has_tiers else None
+        tiers = (
+            TierIndex(desc.kv_disk_id, desc.kv_disk_keys, desc.kv_host_keys)
+            if desc.has_tiers
+            else None
+        )
         self.core = BatchScheduler(
             pool,
             limits,

@@ -25,8 +25,15 @@ def shared_disk(disk_id: str) -> set[bytes]:
 
 
 class TierIndex:
-    def __init__(self, disk_id: str = "", disk_keys: tuple[bytes, ...] = ()) -> None:
-        self.host: set[bytes] = set()
+    def __init__(
+        self,
+        disk_id: str = "",
+        disk_keys: tuple[bytes, ...] = (),
+        host_keys: tuple[bytes, ...] = (),
+    ) -> None:
+        """``disk_keys``, ``host_keys``: what the worker reported holding when this
+        scheduler connected (after a restart of either, its tiers are not empty)."""
+        self.host: set[bytes] = set(host_keys)
         self.disk: set[bytes] = shared_disk(disk_id) if disk_id else set()
         self.disk.update(disk_keys)
         self.num_offloads = 0

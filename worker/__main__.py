@@ -347,6 +347,7 @@ async def serve(
 
     runtime.on_drain(drain)
     await runtime.wait()
+    await asyncio.to_thread(servicer.runner.tiers.close)  # the disk writes queued so far
     await channel.close()
     if metrics_http is not None:
         await metrics_http[0].cleanup()

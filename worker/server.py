@@ -84,6 +84,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_version=tiers.version.hex(),
             kv_disk_keys=tiers.disk_keys(),
             kv_disk_id=tiers.disk_id,
+            kv_host_keys=tiers.host_keys(),
         )
 
     async def Run(
@@ -152,6 +153,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     runner.prefetch_grammars(plan)  # compiles start before the plan runs
                     self._log_plan(plan)
                     self._spans.on_plan(plan)
+                    runner.tiers.prefetch(plan.reload_keys)  # overlaps the steps queued before
                     queued.put_nowait((plan, loop.run_in_executor(self._engine, runner.step, plan)))
             finally:
                 queued.put_nowait(None)

@@ -68,6 +68,7 @@ class WorkerInfo(_message.Message):
     KV_VERSION_FIELD_NUMBER: _builtins.int
     KV_DISK_KEYS_FIELD_NUMBER: _builtins.int
     KV_DISK_ID_FIELD_NUMBER: _builtins.int
+    KV_HOST_KEYS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id, unique per process."""
     model: _builtins.str
@@ -126,6 +127,12 @@ class WorkerInfo(_message.Message):
     def kv_disk_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Keys of the blocks of this version found in the disk tier (at start, and since)."""
 
+    @_builtins.property
+    def kv_host_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Keys of the blocks in the host-memory tier, least recent first: a scheduler that
+        (re)connects learns them, as it learns kv_disk_keys.
+        """
+
     def __init__(
         self,
         *,
@@ -155,10 +162,11 @@ class WorkerInfo(_message.Message):
         kv_version: _builtins.str = ...,
         kv_disk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         kv_disk_id: _builtins.str = ...,
+        kv_host_keys: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "kv_disk_bytes", b"kv_disk_bytes", "kv_disk_id", b"kv_disk_id", "kv_disk_keys", b"kv_disk_keys", "kv_host_bytes", b"kv_host_bytes", "kv_version", b"kv_version", "max_batched_tokens", b"max_batched_tokens", "max_cpu_loras", b"max_cpu_loras", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "kv_disk_bytes", b"kv_disk_bytes", "kv_disk_id", b"kv_disk_id", "kv_disk_keys", b"kv_disk_keys", "kv_host_bytes", b"kv_host_bytes", "kv_host_keys", b"kv_host_keys", "kv_version", b"kv_version", "max_batched_tokens", b"max_batched_tokens", "max_cpu_loras", b"max_cpu_loras", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,6 +1,7 @@
 """KV tiers with the real services: a prefix evicted from a small pool comes back from the
 host tier, from the disk tier, and from disk after the worker is SIGKILLed and restarted;
-a flipped byte in a disk block is refused and the prefix recomputed. Every answer is the
+a flipped byte in a disk block is refused and the prefix recomputed; a restarted scheduler
+learns the host tier from the worker and answers from it. Every answer is the
 uncached run's greedy tokens (float32), and cached_tokens says what was reused."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from canteen.v1 import inference_pb2, scheduler_pb2
 from tests.integration.conftest import BLOCK_SIZE, TinySuite, tiny_suite
 from tests.support import reference
+from tests.support.suite import wait_serving
 
 NUM_KV_BLOCKS = 24  # 192 tokens: three filler prompts evict everything cached
 PREFIX = "Chat products resend the same long context on every turn of a conversation. " * 2
@@ -139,3 +141,23 @@ def test_a_flipped_byte_in_a_disk_block_is_refused_and_the_prefix_recomputed(
     assert "kv disk block refused" in disk.worker.log()
     (stats,) = _stats(disk).workers
     assert stats.num_failed_reloads > 0
+
+
+def test_a_restarted_scheduler_learns_the_host_tier_and_answers_from_it(
+    host: TinySuite, tiny_model_dir: Path
+) -> None:
+    prompt = PREFIX + "after a scheduler restart "
+    ids = reference.tokenizer(tiny_model_dir)(prompt, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    first = _ask(host, prompt)
+    _evict(host)  # the prompt's blocks are in the worker's host tier now
+    killed = host.scheduler
+    killed.process.send_signal(signal.SIGKILL)
+    assert killed.process.wait(30) == -signal.SIGKILL
+    host.suite.services.remove(killed)  # its exit code is this test's doing
+    host.scheduler = host.suite.restart(killed, wait_ready=False)
+    wait_serving(host.scheduler.address, "canteen.v1.Scheduler", 60)
+    (stats,) = _stats(host).workers  # learned from the worker's GetInfo, pool still empty
+    assert stats.num_host_tier_blocks >= (len(ids) - 1) // BLOCK_SIZE
+    again = _ask(host, prompt)
+    assert list(again.token_ids) == list(first.token_ids)
+    assert again.usage.cached_tokens == (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE

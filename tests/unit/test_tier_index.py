@@ -163,3 +163,23 @@ def test_a_prefix_half_in_the_tiers_half_still_in_the_pool_is_reused_whole() -> 
     assert second.output_ids == first.output_ids == expected(first.prompt_ids, 6)
     assert second.num_cached_tokens == 12
     assert len([r for p in worker.plans for r in p.reloads]) == 1  # the head only
+
+
+def test_a_restarted_scheduler_routes_to_the_host_tier_the_worker_reports() -> None:
+    warm, worker = make(num_blocks=6), TieredWorker()
+    first = seq("a", [*PREFIX, 1, 2])
+    warm.add(first)
+    run(warm, worker)
+    _evict(warm, worker)
+    # The scheduler restarts: its pools start empty; the worker's GetInfo names its host tier.
+    cold = make(num_blocks=8)
+    pool = BlockPool(6, BS, enable_prefix_cache=True, cache_salt="m:v1")
+    limits = BatchConfig(max_batched_tokens=64, max_num_seqs=8, **ONE_AT_A_TIME)
+    restarted = BatchScheduler(pool, limits, tiers=TierIndex(host_keys=tuple(worker.tier)))
+    assert restarted.kv.count_cached_prefix([*PREFIX, 5]) == 3
+    assert pick_worker([cold, restarted], [*PREFIX, 5]) == 1  # cold has more room
+    second = seq("b", [*PREFIX, 1, 2])
+    restarted.add(second)
+    run(restarted, worker)
+    assert second.output_ids == first.output_ids == expected(first.prompt_ids, 6)
+    assert second.num_cached_tokens == 12

@@ -153,6 +153,8 @@ class ModelRunner:
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
         moved = None
+        for seq_id in plan.dropped_seq_ids:  # first: a reload may reuse a dropped one's block
+            self._drop(seq_id)
         if plan.offload_block_ids or plan.reload_block_ids or self.tiers.is_on:
             # tier moves first: offloads before the forward overwrites their blocks, reloads
             # before the new sequences that count them as cached are checked

@@ -10,12 +10,16 @@ sees a whole block or none. A file whose header or checksum does not match is de
 reported missing: the scheduler then has the prefix recomputed, it is never served. Blocks
 survive a restart; only a worker of the same model version digest reuses them. Disk full
 or any I/O error drops the block with a warning: a miss, never a failed request.
+
+The index is locked: a background writer (worker/kv_tiers/writer.py) puts blocks while the
+step's thread gets them. File reads and writes run outside the lock.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -51,6 +55,7 @@ class DiskTier:
         self.num_bytes = 0
         self.num_errors = 0
         self._files: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, LRU first
+        self._lock = threading.Lock()  # guards _files, num_bytes and num_errors
         folder.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -59,7 +64,8 @@ class DiskTier:
 
     def keys(self) -> list[bytes]:
         """Keys of the blocks this worker knows on disk, least recent first."""
-        return list(self._files)
+        with self._lock:
+            return list(self._files)
 
     def path(self, key: bytes) -> Path:
         return self.folder / f"{key.hex()}{SUFFIX}"
@@ -70,13 +76,33 @@ class DiskTier:
         size = _HEADER.size + len(block.payload)
         if size > self.capacity_bytes:
             return [key]
-        dropped = []
+        with self._lock:
+            dropped = self._make_room(key, size)
+        if not self._write(key, block):
+            return [*dropped, key]
+        with self._lock:
+            self._forget(key)
+            self._files[key] = size
+            self.num_bytes += size
+            while self.num_bytes > self.capacity_bytes and len(self._files) > 1:
+                dropped.append(self._evict_oldest())  # room others took meanwhile
+        return dropped
+
+    def _make_room(self, key: bytes, size: int) -> list[bytes]:
         self._forget(key)
+        dropped = []
         while self._files and self.num_bytes + size > self.capacity_bytes:
-            old, old_size = self._files.popitem(last=False)
-            self.num_bytes -= old_size
-            self._unlink(old)
-            dropped.append(old)
+            dropped.append(self._evict_oldest())
+        return dropped
+
+    def _evict_oldest(self) -> bytes:
+        old, old_size = self._files.popitem(last=False)
+        self.num_bytes -= old_size
+        self._unlink(old)
+        return old
+
+    def _write(self, key: bytes, block: TierBlock) -> bool:
+        """The file, whole or not at all: written under a temporary name, then renamed."""
         header = _HEADER.pack(
             MAGIC,
             FORMAT,
@@ -87,7 +113,7 @@ class DiskTier:
             _crc(key, block.content_key, block.payload),
         )
         target = self.path(key)
-        temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        temp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with open(temp, "wb") as out:
                 out.write(header)
@@ -99,42 +125,51 @@ class DiskTier:
                 temp.unlink(missing_ok=True)
             except OSError:
                 pass  # the folder itself is gone or unusable
-            return [*dropped, key]
-        self._files[key] = size
-        self.num_bytes += size
-        return dropped
+            return False
+        return True
+
+    def read(self, key: bytes) -> bytes | OSError:
+        """The raw file of ``key``, or the error reading it (no index change: any thread)."""
+        try:
+            return self.path(key).read_bytes()
+        except OSError as exc:
+            return exc
 
     def get(self, key: bytes) -> TierBlock | None:
         """The block under ``key`` when its file is whole, of this model version and matches
         its checksum; a bad file is deleted. Files other workers wrote to a shared folder are
         found too."""
+        return self.accept(key, self.read(key))
+
+    def accept(self, key: bytes, data: bytes | OSError) -> TierBlock | None:
+        """``get`` on bytes ``read`` returned (maybe read ahead, on another thread)."""
         path = self.path(key)
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            self._forget(key)
-            return None
-        except OSError as exc:
-            self._warn("read", key, exc)
-            self._forget(key)
+        if isinstance(data, OSError):
+            if not isinstance(data, FileNotFoundError):
+                self._warn("read", key, data)
+            with self._lock:
+                self._forget(key)
             return None
         block = self._parse(key, data)
         if block is _FOREIGN:
-            self._forget(key)
+            with self._lock:
+                self._forget(key)
             return None  # another model version's block: its workers still use it
         if block is None:
             log.warning("kv disk block refused", key=key.hex(), reason="bad header or checksum")
-            self.num_errors += 1
-            self._forget(key)
+            with self._lock:
+                self.num_errors += 1
+                self._forget(key)
             try:
                 path.unlink(missing_ok=True)
             except OSError:
                 pass
             return None
-        if key not in self._files:
-            self._files[key] = len(data)
-            self.num_bytes += len(data)
-        self._files.move_to_end(key)
+        with self._lock:
+            if key not in self._files:
+                self._files[key] = len(data)
+                self.num_bytes += len(data)
+            self._files.move_to_end(key)
         try:
             os.utime(path)  # recency survives a restart and is seen by other workers
         except OSError:
@@ -189,7 +224,8 @@ class DiskTier:
             pass  # gone already (another worker sharing the folder evicted it)
 
     def _warn(self, what: str, key: bytes, exc: OSError) -> None:
-        self.num_errors += 1
+        with self._lock:
+            self.num_errors += 1
         log.warning(
             "kv disk tier error: the block is recomputed when needed",
             op=what,

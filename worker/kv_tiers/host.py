@@ -46,6 +46,10 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
+    def keys(self) -> list[bytes]:
+        """Keys held, least recent first (read by GetInfo while steps run: a copy)."""
+        return list(self._blocks)
+
     def put(self, key: bytes, block: TierBlock) -> list[tuple[bytes, TierBlock]]:
         """Keeps ``block`` under ``key``; returns the blocks evicted to make room (the block
         itself when it alone exceeds the capacity)."""

@@ -25,8 +25,10 @@ import torch
 
 from canteen.plan import StepResult
 from worker.engine.guard import BlockLedger
+from worker.kv_tiers.copies import block_bytes, blocks_bytes, load_blocks
 from worker.kv_tiers.disk import DiskTier
 from worker.kv_tiers.host import HostTier, TierBlock
+from worker.kv_tiers.writer import DiskWriter
 
 
 def version_digest(*parts: object) -> bytes:
@@ -60,6 +62,7 @@ class KVTiers:
     ) -> None:
         self.host = HostTier(host_bytes)
         self.disk = disk
+        self.writer = DiskWriter(disk) if disk is not None else None
         self.version = version  # version_digest of the blocks it holds
         self.disk_id = (
             f"{socket.gethostname()}:{os.path.realpath(disk.folder)}" if disk is not None else ""
@@ -73,28 +76,45 @@ class KVTiers:
         return self.host.capacity_bytes > 0 or self.disk is not None
 
     def put(self, key: bytes, block: TierBlock) -> None:
-        """Keeps an evicted block: host first; what host pushes out goes to disk."""
+        """Keeps an evicted block: host first; what host pushes out goes to disk (written
+        in the background, reported moved at once: it is served from the queue meanwhile)."""
         self.num_offloads += 1
         for out_key, out_block in self.host.put(key, block):
-            if self.disk is None:
+            if self.writer is None:
                 self._report.tier_dropped_keys.append(out_key)
                 continue
-            dropped = self.disk.put(out_key, out_block)
-            self._report.tier_dropped_keys.extend(dropped)
-            if out_key not in dropped:
-                self._report.tier_moved_keys.append(out_key)
+            self.writer.put(out_key, out_block)
+            self._report.tier_moved_keys.append(out_key)
 
     def get(self, key: bytes) -> TierBlock | None:
         """A block from host or disk, checked; None (reported failed) when neither has a
         whole, matching one."""
-        block = self.host.get(key)
-        if block is None and self.disk is not None:
-            block = self.disk.get(key)
-        if block is None:
-            self.fail(key)
-        else:
-            self.num_reloads += 1
-        return block
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: list[bytes]) -> list[TierBlock | None]:
+        """``get`` of each key; the disk reads of those not in host are issued together."""
+        blocks = [self.host.get(key) for key in keys]
+        if self.writer is not None:
+            found = iter(
+                self.writer.get_many([k for k, b in zip(keys, blocks, strict=True) if b is None])
+            )
+            blocks = [b if b is not None else next(found) for b in blocks]
+        for key, block in zip(keys, blocks, strict=True):
+            if block is None:
+                self.fail(key)
+            else:
+                self.num_reloads += 1
+        return blocks
+
+    def prefetch(self, keys: tuple[bytes, ...]) -> None:
+        """Starts the disk reads a plan's reloads will need (any thread, as it arrives)."""
+        if self.writer is not None and keys:
+            self.writer.prefetch([key for key in keys if key not in self.host])
+
+    def forget_reads(self, keys: list[bytes]) -> None:
+        """Drops the reads started for ``keys`` that no reload collected."""
+        if self.writer is not None:
+            self.writer.forget_reads(keys)
 
     def drop(self, key: bytes) -> None:
         self._report.tier_dropped_keys.append(key)
@@ -104,10 +124,23 @@ class KVTiers:
 
     def take_report(self) -> TierReport:
         report, self._report = self._report, TierReport()
+        if self.writer is not None:  # written off, or evicted from disk, in the background
+            for key in self.writer.take_dropped():
+                if key not in self.host and self.writer.pending(key) is None:
+                    report.tier_dropped_keys.append(key)
         return report
+
+    def host_keys(self) -> list[bytes]:
+        """Keys held in the host tier, least recent first."""
+        return self.host.keys()
 
     def disk_keys(self) -> list[bytes]:
         return self.disk.keys() if self.disk is not None else []
+
+    def close(self) -> None:
+        """Finishes the disk writes queued so far."""
+        if self.writer is not None:
+            self.writer.close()
 
 
 def open_tiers(host_bytes: int, disk_dir: str, disk_bytes: int, version: bytes) -> KVTiers:
@@ -115,43 +148,6 @@ def open_tiers(host_bytes: int, disk_dir: str, disk_bytes: int, version: bytes) 
     it already holds."""
     disk = DiskTier(Path(disk_dir), disk_bytes, version) if disk_dir else None
     return KVTiers(host_bytes, disk, version)
-
-
-def block_view(pool: torch.Tensor, block: int, head_major: bool) -> torch.Tensor:
-    """Every layer's K and V rows of ``block``. The pool is allocated as [layers, 2, blocks,
-    block_size, kv_heads, D]; Canteen's own forward reads each layer's share head-major
-    instead (worker/attention/paged.py), so there a block's slots are
-    [layers, 2, kv_heads, block*bs : (block+1)*bs, D]."""
-    layers, _, blocks, size, kv_heads, dim = pool.shape
-    if not head_major:
-        return pool[:, :, block]
-    slots = pool.view(layers, 2, kv_heads, blocks * size, dim)
-    return slots[:, :, :, block * size : (block + 1) * size]
-
-
-def blocks_bytes(pool: torch.Tensor, blocks: list[int], head_major: bool) -> list[bytes]:
-    """Each block's ``block_view`` as bytes, gathered in one copy (a block at a time cost
-    4 ms of CPU per SmolLM2 block here: 60 small strided copies each)."""
-    layers, _, num_blocks, size, kv_heads, dim = pool.shape
-    index = torch.tensor(blocks, dtype=torch.long, device=pool.device)
-    if head_major:
-        heads = pool.view(layers, 2, kv_heads, num_blocks, size, dim)
-        rows = heads.index_select(3, index).movedim(3, 0)  # [n, layers, 2, heads, bs, D]
-    else:
-        rows = pool.index_select(2, index).movedim(2, 0)  # [n, layers, 2, bs, heads, D]
-    raw = rows.contiguous().cpu().view(torch.uint8).reshape(len(blocks), -1).numpy()
-    return [raw[i].tobytes() for i in range(len(blocks))]
-
-
-def load_block(pool: torch.Tensor, block: int, payload: bytes, head_major: bool) -> bool:
-    """Writes ``payload`` into ``block``; False (nothing written) when its size is not one
-    block of this pool."""
-    target = block_view(pool, block, head_major)
-    if len(payload) != target.numel() * target.element_size():
-        return False
-    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    target.copy_(raw.view(pool.dtype).view(target.shape))
-    return True
 
 
 def move(
@@ -163,7 +159,8 @@ def move(
     head_major: bool,
 ) -> TierReport:
     """Runs a plan's tier moves, offloads first (a reload may reuse an offloaded block);
-    ``head_major``: the pool's layout (``block_view``)."""
+    ``head_major``: the pool's layout (``block_view``). Offloads are copied out of the pool
+    here, before the step's forward may overwrite them; their disk writes run behind."""
     kept = []
     for block, key in offloads:
         content = ledger.key_of(block) if 0 <= block < ledger.num_blocks else None
@@ -175,15 +172,24 @@ def move(
         payloads = blocks_bytes(pool, [block for block, _, _ in kept], head_major)
         for (_, key, content), payload in zip(kept, payloads, strict=True):
             tiers.put(key, TierBlock(content, payload))
+    wanted = []
     for block, key in reloads:
         if not (0 <= block < ledger.num_blocks) or ledger.is_held(block):
             tiers.fail(key)  # a live sequence's block is never overwritten
-            continue
-        got = tiers.get(key)
+        else:
+            wanted.append((block, key))
+    found = tiers.get_many([key for _, key in wanted])
+    tiers.forget_reads([key for _, key in reloads])  # started on arrival, then not needed
+    size = block_bytes(pool)
+    loaded = []
+    for (block, key), got in zip(wanted, found, strict=True):
         if got is None:
             continue
-        if not load_block(pool, block, got.payload, head_major):
+        if len(got.payload) != size:
             tiers.fail(key)
             continue
+        loaded.append((block, got))
+    load_blocks(pool, [b for b, _ in loaded], [g.payload for _, g in loaded], head_major)
+    for block, got in loaded:
         ledger.loaded(block, got.content_key)
     return tiers.take_report()
