@@ -27,22 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.constrained import SCHEMA
 from bench.decode_step import cpu_model
 from canteen.plan import Constraint, NewSequence, Sampling, ScheduledSequence, StepPlan
 from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.model.loader import LoadedModel, load_model
 
-# Objects of at least 40 items: never complete within the steps a round runs.
-LONG = {
-    "type": "array",
-    "minItems": 40,
-    "items": {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
-        "required": ["name", "count"],
-        "additionalProperties": False,
-    },
-}
+# bench/constrained.py's list of at least 40 objects: never complete within a round's steps.
+LONG = SCHEMA["properties"]["items"]
 PER = 16  # blocks per sequence
 
 
