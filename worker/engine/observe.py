@@ -38,6 +38,12 @@ class WorkerMetrics:
             labels,
             registry=registry,
         )
+        self.deferred_rows = Counter(
+            "canteen_worker_deferred_rows",
+            "Rows a step undid because their grammar was still compiling (planned again)",
+            labels,
+            registry=registry,
+        )
         self.sequences = Gauge(
             "canteen_worker_sequences", "Sequences held on the worker", labels, registry=registry
         )
@@ -52,6 +58,8 @@ class WorkerMetrics:
             return
         self.step_duration.labels(*self._labels, plan.kind).observe(result.total_ns / 1e9)
         self.steps.labels(*self._labels).inc()
+        if result.deferred_seq_ids:
+            self.deferred_rows.labels(*self._labels).inc(len(result.deferred_seq_ids))
 
 
 class SequenceSpans:
