@@ -13,7 +13,8 @@ The process's CPU per step (every thread) is reported beside it (``process_cpu_r
 on a two-core host the mask threads take their CPU from the same cores as the forward.
 
 Usage: python bench/constrained_step.py [--rows 8] [--steps 64] [--rounds 4]
-       [--mask-threads N] (the worker's --grammar-mask-threads; 0: llguidance's default)
+       [--mask-threads N] [--inline-mask-rows N] (the worker's --grammar-mask-threads and
+       --grammar-inline-mask-rows)
        (--rounds 2 --steps 16: a short run)
 """
 
@@ -121,6 +122,12 @@ def main() -> None:
     parser.add_argument(
         "--mask-threads", type=int, default=0, help="the worker's --grammar-mask-threads"
     )
+    parser.add_argument(
+        "--inline-mask-rows",
+        type=int,
+        default=GrammarOptions.inline_mask_rows,
+        help="the worker's --grammar-inline-mask-rows (0: masks always beside the forward)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +140,9 @@ def main() -> None:
             str(model_dir), "safetensors", "", torch.device("cpu"), torch.float32, False
         )
         constraints = schemas(args.rows, model_dir)
-        grammar = GrammarOptions(num_mask_threads=args.mask_threads)
+        grammar = GrammarOptions(
+            num_mask_threads=args.mask_threads, inline_mask_rows=args.inline_mask_rows
+        )
         run_round(loaded, args.rows, 4, constraints, grammar)  # warm-up: both paths, once
         run_round(loaded, args.rows, 4, None)
         got: dict[str, list[tuple[float, float]]] = {"plain": [], "constrained": []}
@@ -157,6 +166,7 @@ def main() -> None:
         "step_cpu_ratio": round(masked / plain, 3),
         "process_cpu_ratio": round(masked_all / plain_all, 3),
         "mask_threads": args.mask_threads,
+        "inline_mask_rows": args.inline_mask_rows,
         "cpu": cpu_model(),
     }
     print(json.dumps(summary, indent=2))

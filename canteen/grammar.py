@@ -150,6 +150,13 @@ class GrammarCompiler:
                 self._building.pop(constraint, None)
         return start.deep_copy()
 
+    def cached_matcher(self, constraint: Constraint) -> llguidance.LLMatcher | None:
+        """A fresh matcher at the start of ``constraint``'s grammar if one was built before
+        (a copy, microseconds); None otherwise. Never compiles."""
+        with self._lock:
+            start = _lookup(self._starts, constraint)
+        return None if start is None else start.deep_copy()
+
     def _build_start(self, constraint: Constraint) -> llguidance.LLMatcher:
         with self._lock:
             known = self._cache.get(constraint)

@@ -142,6 +142,12 @@ class WorkerConfig(InternalLinkOptions):
         "default: most of the CPUs, up to 32)",
         within(0, 64),
     )
+    grammar_inline_mask_rows: int = option(
+        _GRAMMAR.inline_mask_rows,
+        "steps sampling at most this many constrained rows fill their token masks on the step "
+        "thread, one row after another; more fill beside the forward (0: always beside)",
+        within(0, 4096),
+    )
     grammar_lexer_fuel: int = option(
         _GRAMMAR.lexer_fuel,
         "work one grammar's lexer may take to build (llguidance's initial_lexer_fuel)",
@@ -227,6 +233,7 @@ class WorkerConfig(InternalLinkOptions):
             compile_timeout=self.grammar_compile_timeout,
             num_compile_threads=self.grammar_compile_threads,
             num_mask_threads=self.grammar_mask_threads,
+            inline_mask_rows=self.grammar_inline_mask_rows,
             lexer_fuel=self.grammar_lexer_fuel,
             step_lexer_fuel=self.grammar_step_lexer_fuel,
             step_max_items=self.grammar_step_max_items,

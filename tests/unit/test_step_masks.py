@@ -1,4 +1,5 @@
-"""A step's masks, filled and unpacked together off the step thread, are each row's own.
+"""A step's masks, filled and unpacked together, on the step thread (few rows) or beside the
+forward, are each row's own.
 
 ``Constraints.mask`` applies every constrained row's mask in one ``masked_fill``; here its
 result is compared with each row masked alone from its matcher's own bitmask, with free rows
@@ -14,7 +15,7 @@ import torch
 
 from canteen.plan import Constraint
 from tests.support.tiny_model import build_tokenizer
-from worker.engine.constrain import Constraints
+from worker.engine.constrain import Constraints, GrammarOptions
 
 EOS = 2
 CONSTRAINTS = {
@@ -28,10 +29,11 @@ CONSTRAINTS = {
 }
 
 
-@pytest.fixture
-def constraints() -> Constraints:
+@pytest.fixture(params=[16, 0], ids=["on-the-step-thread", "beside-the-forward"])
+def constraints(request: pytest.FixtureRequest) -> Constraints:
     tokenizer = build_tokenizer()
-    made = Constraints(lambda: tokenizer, len(tokenizer), [EOS])
+    options = GrammarOptions(inline_mask_rows=request.param)
+    made = Constraints(lambda: tokenizer, len(tokenizer), [EOS], options)
     for seq_id, constraint in CONSTRAINTS.items():
         made.add(seq_id, constraint, ())
         assert made.settle(seq_id, wait=30) is None
@@ -57,6 +59,9 @@ def test_masks_applied_together_are_each_rows_own(
         logits = torch.randn(len(seq_ids), constraints.vocab_size)
         masks = constraints.begin(seq_ids)
         assert masks is not None
+        # three constrained rows: filled on the step thread up to the bound, else beside
+        is_beside = constraints.options.inline_mask_rows < 3
+        assert (masks.early is not None) == is_beside
         masked = logits.clone()
         constraints.mask(masked, seq_ids, masks)
         for row, seq_id in enumerate(seq_ids):
@@ -70,3 +75,16 @@ def test_masks_applied_together_are_each_rows_own(
         picks = [(s, int(masked[r].argmax())) for r, s in enumerate(seq_ids)]
         constraints.advance(picks)
         constraints.finish(masks)
+
+
+def test_a_constraint_built_before_is_ready_at_once(constraints: Constraints) -> None:
+    """A sequence whose grammar this worker built before takes a copy at arrival: no
+    compile to wait for, so its first step never defers it."""
+    constraints.add("again", CONSTRAINTS["json"], ())
+    assert not constraints.failure("again") and not constraints.is_pending("again")
+    masks = constraints.begin(["again"])
+    assert masks is not None
+    logits = torch.zeros(1, constraints.vocab_size)
+    constraints.mask(logits, ["again"], masks)
+    assert torch.equal(logits[0], _alone(constraints, "again", torch.zeros(constraints.vocab_size)))
+    constraints.finish(masks)

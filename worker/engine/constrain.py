@@ -37,7 +37,7 @@ from typing import Any
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_par
 from transformers import AutoTokenizer
 
 from canteen.grammar import ConstraintError, GrammarCompiler
@@ -73,6 +73,10 @@ class GrammarOptions:
     """Threads that compile grammars (at most this many compile at once)."""
     num_mask_threads: int = 0
     """Threads that fill a step's masks in parallel (0: llguidance's default)."""
+    inline_mask_rows: int = 16
+    """Steps sampling at most this many constrained rows fill their masks on the step
+    thread, one row after another: with few rows, handing them to the mask thread and its
+    pool (thread wake-ups, the GIL passed back and forth) costs more CPU than the fill."""
     lexer_fuel: int = 1_000_000
     """Work allowed to build a grammar's lexer (llguidance's initial_lexer_fuel)."""
     step_lexer_fuel: int = 200_000
@@ -186,7 +190,14 @@ class Constraints:
     def add(self, seq_id: str, constraint: Constraint, generated: Sequence[int]) -> None:
         """Starts building ``seq_id``'s matcher off this thread; it replays the tokens the
         sequence generated before a resume."""
-        future = self._pool.submit(self._build, seq_id, constraint, tuple(generated))
+        future: Future[llguidance.LLMatcher] | None = None
+        compiler = self._compiler
+        start = None if compiler is None or generated else compiler.cached_matcher(constraint)
+        if start is not None:  # compiled before: a copy of its start, no compile to wait for
+            future = Future()
+            future.set_result(start)
+        else:
+            future = self._pool.submit(self._build, seq_id, constraint, tuple(generated))
         self._compiles[seq_id] = _Compile(constraint.kind, future, time.monotonic())
 
     def drop(self, seq_id: str) -> None:
@@ -268,6 +279,9 @@ class Constraints:
             if pending is not None and pending.future.done() and not pending.future.exception():
                 self.settle(seq_id)  # compiled already: its mask can start now
         ready = [(self._matchers[s], i) for i, s in enumerate(rows) if s in self._matchers]
+        if len(ready) <= self.options.inline_mask_rows:  # ``mask`` fills them, on this thread
+            self._consume(unconsumed)
+            return StepMasks(rows, None, set(), None)
         masks = StepMasks(rows, None, {i for _, i in ready}, None)
         if ready:  # a matcher exists, so the compiler (and its tokenizer) does too
             masks.bits = self._new_bits(len(rows))
@@ -332,7 +346,8 @@ class Constraints:
         self._unconsumed += [(m, t) for m, t in found if m is not None]
 
     def _consume(self, pairs: list[tuple[llguidance.LLMatcher, int]]) -> None:
-        if len({id(m) for m, _ in pairs}) < len(pairs):  # several tokens of one sequence
+        few = len(pairs) <= self.options.inline_mask_rows
+        if few or len({id(m) for m, _ in pairs}) < len(pairs):  # or several tokens of one
             for matcher, token in pairs:
                 matcher.consume_token(token)
         elif pairs:
@@ -382,7 +397,11 @@ class Constraints:
         return self._executor
 
     def _fill(self, rows: list[tuple[llguidance.LLMatcher, int]], bits: np.ndarray) -> None:
-        fill_next_token_bitmask_par(self._parallel(), rows, bits)
+        if len(rows) > self.options.inline_mask_rows:
+            fill_next_token_bitmask_par(self._parallel(), rows, bits)
+            return
+        for matcher, row in rows:  # few: no pool to wake
+            fill_next_token_bitmask(matcher, bits, row)
 
 
 def _name_limit(message: str) -> str:
