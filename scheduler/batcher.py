@@ -247,7 +247,7 @@ class BatchScheduler:
             if not seq.is_on_worker and seq.status is Status.RUNNING:
                 self._recompute(seq)  # its last token's plan dropped it early: it starts over
             else:
-                self._replan_deferred(seq)
+                self._replan_deferred(seq, entries[seq_id])
         for seq in [s for s in self.running if s.is_cancel_requested]:
             self._finish(seq, Finish.CANCELLED)
             events.append(SeqEvent.of(seq, finish=Finish.CANCELLED))
@@ -379,9 +379,13 @@ class BatchScheduler:
         seq.first_scheduled_time, seq.num_cached_tokens = None, 0
         self._preempt(seq)
 
-    def _replan_deferred(self, seq: Sequence) -> None:
-        """The worker undid ``seq``'s part of a step: a later plan in flight computes its next
-        tokens from where it really is, so its entry samples only if it reaches the end."""
+    def _replan_deferred(self, seq: Sequence, entry: Entry) -> None:
+        """The worker kept ``seq``'s part of a step but for its last token (none with drafts)
+        and sampled nothing: a later plan in flight computes its next tokens from where it
+        really is, so its entry samples only if it reaches the end."""
+        if seq.status is Status.RUNNING and not entry.drafts:
+            seq.num_computed += max(entry.num_tokens - 1, 0)
+            self.kv.commit_full_blocks(seq)
         at, known = seq.num_computed, seq.num_tokens
         for _, entries in self._in_flight:
             entry = entries.get(seq.seq_id)

@@ -1,7 +1,7 @@
 """A sequence the worker defers (its grammar still compiling) is planned again, exactly.
 
-The worker undoes a deferred sequence's part of a step (nothing computed, nothing sampled);
-the scheduler takes that entry back and plans the sequence again, with or without
+The worker keeps a deferred sequence's part of a step but for its last token, and samples
+nothing; the scheduler takes that entry back and plans that token again, with or without
 pipelining, while the other sequences of the step go on. On the fake worker of
 test_batcher.py, which checks every plan the way the real one does.
 """
@@ -9,7 +9,7 @@ test_batcher.py, which checks every plan the way the real one does.
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
+from collections import Counter, deque
 
 import pytest
 
@@ -27,6 +27,7 @@ class DeferringWorker(FakeWorker):
     def __init__(self, num_blocks: int, slow: set[str], times: int) -> None:
         super().__init__(num_blocks)
         self.left = dict.fromkeys(slow, times)
+        self.computed: Counter[str] = Counter()  # tokens computed, by sequence
 
     def step(self, plan: StepPlan) -> StepResult:
         deferred = []
@@ -35,10 +36,16 @@ class DeferringWorker(FakeWorker):
             if left and self._samples(plan, item.seq_id, item.num_tokens):
                 self.left[item.seq_id] = left - 1
                 deferred.append(item.seq_id)
-        kept = tuple(i for i in plan.scheduled if i.seq_id not in deferred)
+        # a deferred sequence keeps what it computed but for its last token, sampling nothing
+        kept = tuple(
+            dataclasses.replace(i, num_tokens=i.num_tokens - 1) if i.seq_id in deferred else i
+            for i in plan.scheduled
+            if i.seq_id not in deferred or i.num_tokens > 1
+        )
+        self.computed.update({i.seq_id: i.num_tokens for i in kept})
         result = super().step(dataclasses.replace(plan, scheduled=kept))
-        for item in plan.scheduled:  # a deferred sequence keeps the blocks it was given
-            if item.seq_id in deferred:
+        for item in plan.scheduled:  # and the blocks it was given
+            if item.seq_id in deferred and item.num_tokens == 1:
                 self.seqs[item.seq_id].block_ids.extend(item.new_block_ids)
         self.plans[-1] = plan
         return dataclasses.replace(result, deferred_seq_ids=tuple(deferred))
@@ -88,4 +95,8 @@ def test_a_deferred_sequence_gets_its_exact_tokens_and_the_other_one_is_not_held
     # the free sequence made a token at each of its steps, deferrals or not
     assert free_steps == list(range(free_steps[0], free_steps[0] + 6))
     assert worker.left == {"slow": 0}  # deferred three times
+    if max_tokens > depth:  # (a plan sampling the last token dropped it early: starts over)
+        # each token computed once: a deferral keeps the prompt but its last token, which
+        # is planned again alone (a second deferral of that one token keeps nothing)
+        assert worker.computed["slow"] == 7 + max_tokens - 1
     assert sched.pool.num_free == 64 and worker.seqs == {}

@@ -411,8 +411,9 @@ class ModelRunner:
         deferred: list[str],
     ) -> list[SampledToken]:
         """Samples and appends the step's tokens. A constrained sequence whose grammar is
-        still compiling goes to ``deferred``: its part of the step is undone (it samples
-        nothing and its computed count stays) for the scheduler to plan again; one whose
+        still compiling goes to ``deferred``: it samples nothing and keeps all but the last
+        token it computed (a prompt is not computed again; the scheduler plans that last
+        token again, which samples once the grammar is ready); one whose
         grammar failed goes to ``failed``; the other rows sample as they would alone."""
         # one row per sampled position: a sequence's last token, then each of its drafts
         sampling_seqs = [self.sequences[i.seq_id] for i in plan.scheduled if self._samples(i)]
@@ -422,10 +423,14 @@ class ModelRunner:
         if masks is not None:
             held = self._settle(sampling_seqs, len(plan.scheduled), failed, deferred)
         for item in plan.scheduled:
-            if item.seq_id in held:
-                continue
+            num_kept = item.num_tokens
+            if item.seq_id in held:  # a deferred row keeps its KV but for its last token
+                is_kept = item.seq_id in deferred and not item.num_draft_tokens
+                num_kept = max(item.num_tokens - 1, 0) if is_kept else 0
+                if not num_kept:
+                    continue
             seq = self.sequences[item.seq_id]
-            seq.num_computed += item.num_tokens
+            seq.num_computed += num_kept
             self.ledger.computed(seq.block_ids, seq.tokens, seq.keys, seq.num_computed, seq.root)
         if held:
             keep = [r for r, (s, _) in enumerate(per_row) if s.seq_id not in held]
