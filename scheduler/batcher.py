@@ -379,12 +379,12 @@ class BatchScheduler:
         seq.first_scheduled_time, seq.num_cached_tokens = None, 0
         self._preempt(seq)
 
-    def _replan_deferred(self, seq: Sequence, entry: Entry) -> None:
+    def _replan_deferred(self, seq: Sequence, deferred: Entry) -> None:
         """The worker kept ``seq``'s part of a step but for its last token (none with drafts)
         and sampled nothing: a later plan in flight computes its next tokens from where it
         really is, so its entry samples only if it reaches the end."""
-        if seq.status is Status.RUNNING and not entry.drafts:
-            seq.num_computed += max(entry.num_tokens - 1, 0)
+        if seq.status is Status.RUNNING and not deferred.drafts:
+            seq.num_computed += max(deferred.num_tokens - 1, 0)
             self.kv.commit_full_blocks(seq)
         at, known = seq.num_computed, seq.num_tokens
         for _, entries in self._in_flight:
