@@ -330,3 +330,11 @@ def test_the_worker_flags_default_to_llguidances_limits_and_are_bounded() -> Non
     with pytest.raises(ValueError) as threads:
         WorkerConfig(grammar_compile_threads=0)
     assert str(threads.value) == "grammar_compile_threads=0: must be in 1..32"
+
+
+def test_the_inline_mask_rows_flag_reaches_the_grammar_options_and_is_bounded() -> None:
+    assert WorkerConfig().grammar.inline_mask_rows == 16
+    assert WorkerConfig(grammar_inline_mask_rows=0).grammar.inline_mask_rows == 0
+    with pytest.raises(ValueError) as rows:
+        WorkerConfig(grammar_inline_mask_rows=-1)
+    assert str(rows.value) == "grammar_inline_mask_rows=-1: must be in 0..4096"
