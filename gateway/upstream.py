@@ -55,6 +55,7 @@ class Feed:
     ) -> None:
         self.id, self.call = subscription_id, call
         self.outbox = outbox  # a Connect stream's: requests go up it
+        self.is_stale = False  # the scheduler refused a request as draining: open anew
         self.inboxes: dict[int, asyncio.Queue[_Item]] = {}
         self.error: grpc.aio.AioRpcError | None = None
         self.reader: asyncio.Task[None] | None = None
@@ -148,7 +149,7 @@ class SchedulerClient:
             self._feed.reader.cancel()
             self._feed.call.cancel()
             if self._feed.outbox is not None:
-                self._feed.outbox.send(None)
+                self._feed.outbox.close()
 
     async def _once(
         self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
@@ -174,7 +175,7 @@ class SchedulerClient:
         tag = next(self._tags)
         inbox = feed.attach(tag)
         traceparent = next((v for k, v in metadata if k == "traceparent"), "")
-        outbox.send(submit_message(request, tag, timeout, traceparent))
+        outbox.submit(submit_message(request, tag, timeout, traceparent))
         timer = None
         if timeout is not None:  # a call's deadline would end it so: the same error
             timer = asyncio.get_running_loop().call_later(
@@ -192,6 +193,9 @@ class SchedulerClient:
                 if isinstance(item, scheduler_pb2.ScheduleResponse):
                     if item.HasField("failure"):
                         is_over = True
+                        # A draining scheduler: the retry goes on a new stream (to its
+                        # successor), while this one serves its running requests out.
+                        feed.is_stale = feed.is_stale or item.failure.retryable
                         raise error_from_pb(item.failure)
                 elif not isinstance(item, Tokens):
                     continue  # (a Generate call's end: none on this path)
@@ -205,7 +209,7 @@ class SchedulerClient:
             if timer is not None:
                 timer.cancel()
             if not is_over and feed.error is None:
-                outbox.send(scheduler_pb2.ConnectRequest(cancel=tag))
+                outbox.cancel(tag)
 
     async def _own(
         self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
@@ -259,7 +263,7 @@ class SchedulerClient:
     async def _open_feed(self, timeout: float | None) -> Feed | None:
         """The open feed, opened on first use and after a break (one opening at a time,
         waited for at most ``timeout``); None when the scheduler does not serve Subscribe."""
-        if self._feed is not None and self._feed.error is None:
+        if self._feed is not None and self._feed.error is None and not self._feed.is_stale:
             return self._feed
         if self._opening is None or self._opening.done():
             self._opening = asyncio.ensure_future(self._open())

@@ -24,25 +24,45 @@ _FINAL = grpc.aio.Metadata(("canteen-final", "1"))
 
 
 class Outbox:
-    """The messages the gateway sends on a Connect stream, in order; ``None`` ends it."""
+    """What the gateway sends on a Connect stream, in order: submits and cancels queued
+    while a write is under way go together in the next message (one write, one read for
+    the scheduler, however many requests arrived meanwhile). ``close`` ends the stream."""
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[scheduler_pb2.ConnectRequest | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[scheduler_pb2.SubmitRequest | int | None] = asyncio.Queue()
 
-    def send(self, msg: scheduler_pb2.ConnectRequest | None) -> None:
-        self._queue.put_nowait(msg)
+    def submit(self, submit: scheduler_pb2.SubmitRequest) -> None:
+        self._queue.put_nowait(submit)
+
+    def cancel(self, tag: int) -> None:
+        self._queue.put_nowait(tag)
+
+    def close(self) -> None:
+        self._queue.put_nowait(None)
 
     async def messages(self) -> AsyncIterator[scheduler_pb2.ConnectRequest]:
-        while (msg := await self._queue.get()) is not None:
+        queue = self._queue
+        while (item := await queue.get()) is not None:
+            msg = scheduler_pb2.ConnectRequest()
+            while True:
+                if isinstance(item, int):
+                    msg.cancels.append(item)
+                else:
+                    msg.submits.append(item)
+                if queue.empty():
+                    break
+                if (item := queue.get_nowait()) is None:
+                    yield msg
+                    return
             yield msg
 
 
 def submit_message(
     request: scheduler_pb2.ScheduleRequest, tag: int, timeout: float | None, traceparent: str
-) -> scheduler_pb2.ConnectRequest:
+) -> scheduler_pb2.SubmitRequest:
     request.subscription_id, request.stream_tag = "", tag
-    return scheduler_pb2.ConnectRequest(
-        submit=request, timeout_seconds=timeout or 0.0, traceparent=traceparent
+    return scheduler_pb2.SubmitRequest(
+        request=request, timeout_seconds=timeout or 0.0, traceparent=traceparent
     )
 
 

@@ -133,26 +133,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def _read_submits(
         self, requests: AsyncIterator[scheduler_pb2.ConnectRequest], connection: Connection
     ) -> None:
-        """Submits and cancels as they arrive, until the caller stops sending."""
+        """Submits, then cancels, as they arrive, until the caller stops sending."""
         async for msg in requests:
-            if msg.WhichOneof("action") == "cancel":
-                connection.cancel(msg.cancel)
-                continue
-            request, tag = msg.submit, msg.submit.stream_tag
-            if not tag:
-                continue  # an entry could not name it; the caller's own bug
-            if self._drain is not None and self._drain.is_draining:
-                connection.subscription.fail(tag, DrainingError())
-                continue
-            timeout = msg.timeout_seconds if msg.timeout_seconds > 0 else None
-            try:
-                interval = _interval(request)
-                params = request_from_pb(request, timeout)
-            except (InvalidRequestError, ValueError) as exc:
-                connection.subscription.fail(tag, InvalidRequestError(str(exc)))
-                continue
-            trace = context_from_traceparent(msg.traceparent) if msg.traceparent else None
-            connection.submit(params, tag, interval, timeout, trace)
+            for submit in msg.submits:
+                self._submit(submit, connection)
+            for tag in msg.cancels:
+                connection.cancel(tag)
+
+    def _submit(self, submit: scheduler_pb2.SubmitRequest, connection: Connection) -> None:
+        request = submit.request
+        tag = request.stream_tag
+        if not tag:
+            return  # an entry could not name it; the caller's own bug
+        if self._drain is not None and self._drain.is_draining:
+            connection.subscription.fail(tag, DrainingError())
+            return
+        timeout = submit.timeout_seconds if submit.timeout_seconds > 0 else None
+        try:
+            interval = _interval(request)
+            params = request_from_pb(request, timeout)
+        except (InvalidRequestError, ValueError) as exc:
+            connection.subscription.fail(tag, InvalidRequestError(str(exc)))
+            return
+        trace = context_from_traceparent(submit.traceparent) if submit.traceparent else None
+        connection.submit(params, tag, interval, timeout, trace)
 
     async def GetStats(
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

@@ -214,43 +214,71 @@ Global___RequestError: _TypeAlias = RequestError  # noqa: Y015
 
 @_typing.final
 class ConnectRequest(_message.Message):
-    """One message from the caller on a Connect stream: a request to run, or a cancel."""
+    """One message from the caller on a Connect stream: requests to run and requests to cancel,
+    as many as were ready when it was sent (one write for them all).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    SUBMIT_FIELD_NUMBER: _builtins.int
-    CANCEL_FIELD_NUMBER: _builtins.int
-    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
-    TRACEPARENT_FIELD_NUMBER: _builtins.int
-    cancel: _builtins.int
-    """The stream_tag of a running request to cancel (its blocks are freed)."""
-    timeout_seconds: _builtins.float
-    """With submit: the seconds left of the request's deadline as it was sent (0: none)."""
-    traceparent: _builtins.str
-    """With submit: the caller's W3C trace context (a traceparent header value), or empty."""
+    SUBMITS_FIELD_NUMBER: _builtins.int
+    CANCELS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def submit(self) -> Global___ScheduleRequest:
-        """A request to run; its stream_tag (required, unique among the stream's running
-        requests) tags its entries; subscription_id is not used.
+    def submits(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitRequest]:
+        """Requests to run, in order."""
+
+    @_builtins.property
+    def cancels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The stream_tags of running requests to cancel (their blocks are freed; no entry follows).
+        Applied after the submits of the same message.
         """
 
     def __init__(
         self,
         *,
-        submit: Global___ScheduleRequest | None = ...,
-        cancel: _builtins.int = ...,
+        submits: _abc.Iterable[Global___SubmitRequest] | None = ...,
+        cancels: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancels", b"cancels", "submits", b"submits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+
+@_typing.final
+class SubmitRequest(_message.Message):
+    """One request submitted on a Connect stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    timeout_seconds: _builtins.float
+    """The seconds left of the request's deadline as it was sent (0: none)."""
+    traceparent: _builtins.str
+    """The caller's W3C trace context (a traceparent header value), or empty."""
+    @_builtins.property
+    def request(self) -> Global___ScheduleRequest:
+        """The request; its stream_tag (required, unique among the stream's running requests) tags
+        its entries; subscription_id is not used.
+        """
+
+    def __init__(
+        self,
+        *,
+        request: Global___ScheduleRequest | None = ...,
         timeout_seconds: _builtins.float = ...,
         traceparent: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "submit", b"submit"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "submit", b"submit", "timeout_seconds", b"timeout_seconds", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "timeout_seconds", b"timeout_seconds", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["submit", "cancel"]  # noqa: Y015
-    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+Global___SubmitRequest: _TypeAlias = SubmitRequest  # noqa: Y015
 
 @_typing.final
 class SubscribeRequest(_message.Message):

@@ -29,10 +29,14 @@ class Sender:
 
     def submit(self, tag: int, request: scheduler_pb2.ScheduleRequest, timeout: float = 0) -> None:
         request.stream_tag = tag
-        self._queue.put(scheduler_pb2.ConnectRequest(submit=request, timeout_seconds=timeout))
+        submit = scheduler_pb2.SubmitRequest(request=request, timeout_seconds=timeout)
+        self._queue.put(scheduler_pb2.ConnectRequest(submits=[submit]))
+
+    def send(self, msg: scheduler_pb2.ConnectRequest) -> None:
+        self._queue.put(msg)
 
     def cancel(self, tag: int) -> None:
-        self._queue.put(scheduler_pb2.ConnectRequest(cancel=tag))
+        self._queue.put(scheduler_pb2.ConnectRequest(cancels=[tag]))
 
     def messages(self) -> Iterator[scheduler_pb2.ConnectRequest]:
         while (msg := self._queue.get()) is not None:
@@ -91,8 +95,14 @@ def test_requests_sent_as_messages_get_exactly_their_tokens(
     # The worker pauses while the requests arrive, so that they run in the same steps.
     suite.worker.process.send_signal(signal.SIGSTOP)
     try:
-        for tag, prompt in tags.items():
-            sender.submit(tag, _request(prompt, 16))
+        sender.send(  # several requests in one message, as a gateway's outbox sends them
+            scheduler_pb2.ConnectRequest(
+                submits=[
+                    scheduler_pb2.SubmitRequest(request=_request(p, 16, stream_tag=t))
+                    for t, p in tags.items()
+                ]
+            )
+        )
         until(lambda: _num_held(suite.scheduler_stub) == len(tags), 20, "every request")
     finally:
         suite.worker.process.send_signal(signal.SIGCONT)

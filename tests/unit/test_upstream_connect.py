@@ -21,7 +21,9 @@ class ConnectScheduler(ScriptedScheduler):
 
     def __init__(self) -> None:
         super().__init__()
-        self.received: list[scheduler_pb2.ConnectRequest] = []
+        self.messages: list[scheduler_pb2.ConnectRequest] = []
+        self.received: list[scheduler_pb2.SubmitRequest] = []
+        self.cancels: list[int] = []
         self.num_streams = 0
         self.got_cancel = asyncio.Event()
 
@@ -46,22 +48,32 @@ class ConnectScheduler(ScriptedScheduler):
         out: asyncio.Queue[scheduler_pb2.ScheduleBatch],
     ) -> None:
         async for msg in requests:
-            self.received.append(msg)
-            if msg.WhichOneof("action") == "cancel":
+            self.messages.append(msg)
+            self.cancels.extend(msg.cancels)
+            if msg.cancels:
                 self.got_cancel.set()
-                continue
-            tag = msg.submit.stream_tag
-            batch = scheduler_pb2.ScheduleBatch()
-            if self.mode == "verdict":
-                failure = scheduler_pb2.RequestError(code=8, message="the waiting queue is full")
-                batch.responses.add(stream_tag=tag, failure=failure)
-            elif self.mode != "hold":
-                for i, token in enumerate(TOKENS):
-                    entry = batch.responses.add(stream_tag=tag, token_ids=[token])
-                    if i == len(TOKENS) - 1:
-                        entry.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                        entry.usage.completion_tokens = len(TOKENS)
-            out.put_nowait(batch)
+            for submit in msg.submits:
+                self.received.append(submit)
+                out.put_nowait(self._answer(submit.request.stream_tag))
+
+    def _answer(self, tag: int) -> scheduler_pb2.ScheduleBatch:
+        batch = scheduler_pb2.ScheduleBatch()
+        if self.mode == "draining":
+            self.mode = "ok"  # the next stream works
+            failure = scheduler_pb2.RequestError(
+                code=14, message="server is shutting down; retry elsewhere", retryable=True
+            )
+            batch.responses.add(stream_tag=tag, failure=failure)
+        elif self.mode == "verdict":
+            failure = scheduler_pb2.RequestError(code=8, message="the waiting queue is full")
+            batch.responses.add(stream_tag=tag, failure=failure)
+        elif self.mode != "hold":
+            for i, token in enumerate(TOKENS):
+                entry = batch.responses.add(stream_tag=tag, token_ids=[token])
+                if i == len(TOKENS) - 1:
+                    entry.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    entry.usage.completion_tokens = len(TOKENS)
+        return batch
 
 
 @pytest.fixture
@@ -95,7 +107,7 @@ async def test_requests_go_up_the_one_stream_and_get_their_tokens(
     fake, client = connected
     assert await asyncio.gather(*(_tokens(client) for _ in range(4))) == [TOKENS] * 4
     assert fake.num_streams == 1 and fake.requests == []  # no Generate call at all
-    assert sorted(m.submit.stream_tag for m in fake.received) == [1, 2, 3, 4]
+    assert sorted(m.request.stream_tag for m in fake.received) == [1, 2, 3, 4]
     assert {m.traceparent for m in fake.received} == {"00-" + "a" * 32 + "-" + "b" * 16 + "-01"}
     assert all(9 < m.timeout_seconds <= 10 for m in fake.received)
 
@@ -115,6 +127,16 @@ async def test_a_failure_entry_is_the_scheduler_s_final_verdict(
     assert not fake.got_cancel.is_set()
 
 
+async def test_a_request_refused_by_a_draining_scheduler_is_retried_on_a_new_stream(
+    connected: tuple[ConnectScheduler, SchedulerClient],
+) -> None:
+    fake, client = connected
+    fake.mode = "draining"
+    assert await _tokens(client) == TOKENS
+    assert fake.num_streams == 2
+    assert [m.request.stream_tag for m in fake.received] == [1, 2]
+
+
 async def test_a_deadline_ends_the_request_and_cancels_it_upstream(
     connected: tuple[ConnectScheduler, SchedulerClient],
 ) -> None:
@@ -127,7 +149,7 @@ async def test_a_deadline_ends_the_request_and_cancels_it_upstream(
         "Deadline Exceeded",
     )
     await asyncio.wait_for(fake.got_cancel.wait(), 5)
-    assert [m.cancel for m in fake.received[1:]] == [fake.received[0].submit.stream_tag]
+    assert fake.cancels == [fake.received[0].request.stream_tag]
 
 
 async def test_a_scheduler_without_connect_gets_generate_calls_on_subscribe() -> None:
@@ -185,3 +207,23 @@ async def test_packed_entries_of_a_request_that_fell_behind_merge_into_one() -> 
     assert (list(merged.token_ids), list(merged.logprobs)) == ([1, 2, 3], [-1.0, -2.0, -3.0])
     assert merged.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert pending is None and inbox.qsize() == 1  # nothing read past the last entry
+
+
+async def test_what_queues_during_a_write_goes_up_in_one_message() -> None:
+    from gateway.upstream_connect import Outbox, submit_message
+
+    outbox = Outbox()
+    for tag in (1, 2, 3):
+        outbox.submit(submit_message(scheduler_pb2.ScheduleRequest(), tag, None, ""))
+    outbox.cancel(2)
+    messages = outbox.messages()
+    first = await anext(messages)
+    assert [s.request.stream_tag for s in first.submits] == [1, 2, 3]
+    assert list(first.cancels) == [2]
+    outbox.submit(submit_message(scheduler_pb2.ScheduleRequest(), 4, 2.5, "tp"))
+    outbox.close()
+    second = await anext(messages)
+    assert [(s.request.stream_tag, s.timeout_seconds, s.traceparent) for s in second.submits] == [
+        (4, 2.5, "tp")
+    ]
+    assert [m async for m in messages] == []  # closed: the stream ends
