@@ -1,24 +1,26 @@
-"""The scheduler -> gateway hop: one shared token stream per gateway against one stream per
+"""The scheduler -> gateway hop: one shared stream per gateway against one stream per
 request, side by side in one run.
 
-One registry, scheduler and worker, and two gateways in front of the scheduler:
-``--scheduler-stream shared`` (the default) and ``--scheduler-stream per-request``. Rounds
-alternate which gateway goes first, and every run has its own prompts (no prefix cache helps
-either side). Prints one JSON line per run, in the order they ran: tokens per second, and the
-CPU microseconds per generated token of the scheduler and of that run's gateway, and the
-scheduler's CPU microseconds per worker step (a step's cost does not fall with the stream
-interval; a token's share of it falls with the streams in the step). The client runs at
-nice 19 in its own process.
+One registry, scheduler and worker, and a gateway per mode in front of the scheduler:
+``--scheduler-stream shared`` (the default: requests and tokens on one Connect stream),
+``subscribe`` (tokens on one Subscribe stream, a Generate call per request) and
+``per-request``. Rounds alternate which gateway goes first, and every run has its own
+prompts (no prefix cache helps either side). Prints one JSON line per run, in the order
+they ran: tokens per second, and the CPU microseconds per generated token of the
+scheduler and of that run's gateway, and the scheduler's CPU microseconds per worker step
+(a step's cost does not fall with the stream interval; a token's share of it falls with the
+streams in the step). The client runs at nice 19 in its own process.
 
-``--stream-interval N`` starts both gateways with that default stream interval (tokens per
+``--stream-interval N`` starts every gateway with that default stream interval (tokens per
 message after a request's first; the shared stream honours it, a per-request stream sends
-every step). ``--modes shared`` runs one side only.
+every step). ``--modes shared`` runs one side only; ``--modes shared,subscribe`` compares
+requests as messages against a call each.
 
 ``--tiny`` serves a tiny random model (steps of about a millisecond, the regime of a GPU
 worker, where the edge services bound the suite); the default is SmolLM2 on the CPU.
 
 Usage: python bench/shared_stream.py [--streams 16,32] [--tokens 64] [--rounds 2] [--tiny]
-       [--stream-interval 1] [--modes shared,per-request]
+       [--stream-interval 1] [--modes shared,subscribe,per-request]
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from bench.throughput import NicedClient, questions
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.support.suite import Service, Suite, wait_serving
 
-MODES = ("shared", "per-request")
+MODES = ("shared", "subscribe", "per-request")
 
 
 @contextlib.contextmanager
@@ -170,9 +172,10 @@ def main() -> None:
                 m: round(medians[m]["scheduler_us"] + medians[m]["gateway_us"], 1) for m in modes
             },
         }
-        if set(MODES) <= set(modes):
-            ratio = medians["shared"]["tok_s"] / medians["per-request"]["tok_s"]
-            summary["shared_over_per_request"] = round(ratio, 3)
+        for other in ("subscribe", "per-request"):
+            if {"shared", other} <= set(modes):
+                ratio = medians["shared"]["tok_s"] / medians[other]["tok_s"]
+                summary[f"shared_over_{other.replace('-', '_')}"] = round(ratio, 3)
         print(json.dumps(summary))
 
 

@@ -51,8 +51,10 @@ class GatewayConfig(InternalLinkOptions, EdgeLimits):
     )
     scheduler_stream: str = option(
         "shared",
-        "how tokens come from the scheduler: 'shared' (one stream for every request, one "
-        "message per step) or 'per-request' (each request's own stream)",
+        "how requests go to the scheduler and tokens come back: 'shared' (one stream for "
+        "every request, requests as messages, one message per step), 'subscribe' (one "
+        "stream for the tokens, a Generate call per request) or 'per-request' (each "
+        "request's own call and stream)",
     )
     stream_interval: int = option(
         1,
@@ -96,10 +98,10 @@ class GatewayConfig(InternalLinkOptions, EdgeLimits):
             "--public-tls-cert and --public-tls-key go together",
         )
         require(
-            self.scheduler_stream in ("shared", "per-request"),
+            self.scheduler_stream in ("shared", "subscribe", "per-request"),
             "scheduler_stream",
             self.scheduler_stream,
-            "must be 'shared' or 'per-request'",
+            "must be 'shared', 'subscribe' or 'per-request'",
         )
         require(
             1 <= self.stream_interval <= MAX_STREAM_INTERVAL,

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field
 
 from canteen.finish import Finish, finish_from_pb
 from canteen.logging import get_logger
-from canteen.v1 import common_pb2, scheduler_pb2
+from canteen.v1 import common_pb2
 from gateway.screen import Screen, StreamScreen
 from gateway.text import IncrementalDetokenizer, StopMatcher
 from gateway.tokenizers import Tokenizer
 from gateway.tool_parsers import ToolStream
 from gateway.tools import ToolCall
+from gateway.upstream_connect import Response
 
 log = get_logger(__name__)
 
@@ -69,7 +70,7 @@ class Output:
         self._num_prompt_tokens = num_prompt_tokens
         self.num_tokens = 0  # every token received, shown or not
 
-    def push(self, msg: scheduler_pb2.ScheduleResponse) -> TextDelta:
+    def push(self, msg: Response) -> TextDelta:
         """The delta for ``msg``; finish_reason is set when the stream ends with it."""
         ids = list(msg.token_ids)  # each protobuf field read once: reads cost on this path
         kept, text = self._text_of(ids)
@@ -135,9 +136,7 @@ async def with_tool_calls(
         yield delta
 
 
-def _delta(
-    msg: scheduler_pb2.ScheduleResponse, ids: list[int], text: str, model_ref: str, kept: int
-) -> TextDelta:
+def _delta(msg: Response, ids: list[int], text: str, model_ref: str, kept: int) -> TextDelta:
     """The delta of the first ``kept`` of ``msg``'s tokens ``ids``."""
     delta = TextDelta(text, ids if kept == len(ids) else ids[:kept], model_ref)
     if msg.logprobs:

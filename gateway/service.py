@@ -86,8 +86,10 @@ class InferenceService:
         self.catalog = catalog
         self.tokenizers = tokenizers
         self.scheduler = scheduler
-        shared = config.scheduler_stream == "shared"
-        self.upstream = SchedulerClient(scheduler, config.scheduler_retry, shared)
+        shared = config.scheduler_stream in ("shared", "subscribe")
+        self.upstream = SchedulerClient(
+            scheduler, config.scheduler_retry, shared, connect=config.scheduler_stream == "shared"
+        )
         self.screen = screen
         self.admission = Admission(config, catalog, tokenizers, metrics, screen)
         self.limiter = self.admission.limiter

@@ -1,11 +1,13 @@
-"""The gateway's calls to the scheduler: one Generate call per request, and its tokens.
+"""The gateway's calls to the scheduler, and each request's tokens.
 
-By default (``--scheduler-stream shared``) tokens do not come on each request's own stream:
-the gateway holds one ``Subscribe`` stream to the scheduler, which carries one message per
-step with every request's new tokens, and each Generate call names it with a tag. The
-request's own call then carries only the control: its deadline, trace context and identity,
-the gateway's cancel, and the scheduler's verdict when it fails. A step then costs the
-scheduler one message and one write per gateway instead of one per request.
+By default (``--scheduler-stream shared``) the gateway holds one ``Connect`` stream to the
+scheduler: requests go up it as messages and come back as tagged entries of one message per
+step with every request's new tokens (gateway/upstream_connect.py). A scheduler without
+Connect gets the older split (``--scheduler-stream subscribe``): one ``Subscribe`` stream
+for the tokens and a Generate call per request that names it with a tag and carries only
+the control (its deadline, trace context and identity, the gateway's cancel, and the
+scheduler's verdict when it fails). Either way a step costs the scheduler one message and
+one write per gateway instead of one per request.
 
 Until a request's first token, a scheduler that cannot be reached (restarting, draining) is
 retried with backoff for ``--scheduler-retry`` seconds within the deadline; once tokens have
@@ -24,22 +26,36 @@ import grpc
 
 from canteen.logging import get_logger
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
+from gateway.upstream_connect import (
+    Outbox,
+    Response,
+    Tokens,
+    deadline_exceeded,
+    error_from_pb,
+    submit_message,
+    unpack,
+)
 
 log = get_logger(__name__)
 
 Metadata = tuple[tuple[str, str], ...]
 # What a request's inbox receives: a response, its own call once done, or the shared
 # stream's failure.
-_Item: TypeAlias = (
-    "scheduler_pb2.ScheduleResponse | grpc.aio.UnaryStreamCall | grpc.aio.AioRpcError"
-)
+_Item: TypeAlias = "Response | grpc.aio.UnaryStreamCall | grpc.aio.AioRpcError"
 
 
 class Feed:
     """One open Subscribe stream: routes each tagged response to its request's inbox."""
 
-    def __init__(self, subscription_id: str, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(
+        self,
+        subscription_id: str,
+        call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall,
+        outbox: Outbox | None = None,
+    ) -> None:
         self.id, self.call = subscription_id, call
+        self.outbox = outbox  # a Connect stream's: requests go up it
+        self.is_stale = False  # the scheduler refused a request as draining: open anew
         self.inboxes: dict[int, asyncio.Queue[_Item]] = {}
         self.error: grpc.aio.AioRpcError | None = None
         self.reader: asyncio.Task[None] | None = None
@@ -56,6 +72,10 @@ class Feed:
         try:
             # read(), not iteration: the opening read the first message with it
             while (batch := await self.call.read()) is not grpc.aio.EOF:
+                for tag, tokens in unpack(batch):  # before the responses: see the proto
+                    inbox = self.inboxes.get(tag)
+                    if inbox is not None:
+                        inbox.put_nowait(tokens)
                 for response in batch.responses:
                     inbox = self.inboxes.get(response.stream_tag)
                     if inbox is not None:
@@ -84,18 +104,23 @@ class SchedulerClient:
     """Runs requests on the scheduler, over the shared stream or each on its own."""
 
     def __init__(
-        self, stub: scheduler_pb2_grpc.SchedulerStub, retry_seconds: float, shared: bool = True
+        self,
+        stub: scheduler_pb2_grpc.SchedulerStub,
+        retry_seconds: float,
+        shared: bool = True,
+        connect: bool = False,
     ) -> None:
         self._stub = stub
         self._retry_seconds = retry_seconds
         self.is_shared = shared
+        self.is_connect = shared and connect  # requests on the stream too (else Subscribe)
         self._feed: Feed | None = None
         self._opening: asyncio.Future[Feed] | None = None
         self._tags = itertools.count(1)
 
     async def stream(
         self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
-    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+    ) -> AsyncGenerator[Response]:
         """The scheduler's responses for ``request``, the last with finish_reason set."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self._retry_seconds
@@ -123,20 +148,72 @@ class SchedulerClient:
         if self._feed is not None and self._feed.reader is not None:
             self._feed.reader.cancel()
             self._feed.call.cancel()
+            if self._feed.outbox is not None:
+                self._feed.outbox.close()
 
     async def _once(
         self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
-    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+    ) -> AsyncGenerator[Response]:
         if not self.is_shared:
             return self._own(request, timeout, metadata)
         feed = await self._open_feed(timeout)
         if feed is None:  # the scheduler has no Subscribe: each request on its own stream
             return self._own(request, timeout, metadata)
+        if feed.outbox is not None:
+            return self._connected(feed, feed.outbox, request, timeout, metadata)
         return self._shared(feed, request, timeout, metadata)
+
+    async def _connected(
+        self,
+        feed: Feed,
+        outbox: Outbox,
+        request: scheduler_pb2.ScheduleRequest,
+        timeout: float | None,
+        metadata: Metadata,
+    ) -> AsyncGenerator[Response]:
+        """One request as a message on the Connect stream (gateway/upstream_connect.py)."""
+        tag = next(self._tags)
+        inbox = feed.attach(tag)
+        traceparent = next((v for k, v in metadata if k == "traceparent"), "")
+        outbox.submit(submit_message(request, tag, timeout, traceparent))
+        timer = None
+        if timeout is not None:  # a call's deadline would end it so: the same error
+            timer = asyncio.get_running_loop().call_later(
+                timeout, inbox.put_nowait, deadline_exceeded()
+            )
+        is_over = False
+        pending: _Item | None = None
+        try:
+            while True:
+                item = pending if pending is not None else await inbox.get()
+                pending = None
+                if isinstance(item, grpc.aio.AioRpcError):  # the stream broke, or the deadline
+                    is_over = item.code() != grpc.StatusCode.DEADLINE_EXCEEDED
+                    raise item
+                if isinstance(item, scheduler_pb2.ScheduleResponse):
+                    if item.HasField("failure"):
+                        is_over = True
+                        # A draining scheduler: the retry goes on a new stream (to its
+                        # successor), while this one serves its running requests out.
+                        feed.is_stale = feed.is_stale or item.failure.retryable
+                        raise error_from_pb(item.failure)
+                elif not isinstance(item, Tokens):
+                    continue  # (a Generate call's end: none on this path)
+                item, pending = _caught_up(item, inbox)
+                yield item
+                if item.finish_reason:
+                    is_over = True
+                    return
+        finally:
+            feed.detach(tag)
+            if timer is not None:
+                timer.cancel()
+            if not is_over and feed.error is None:
+                outbox.cancel(tag)
 
     async def _own(
         self, request: scheduler_pb2.ScheduleRequest, timeout: float | None, metadata: Metadata
-    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+    ) -> AsyncGenerator[Response]:
         request.subscription_id, request.stream_tag = "", 0
         call = self._stub.Generate(request, timeout=timeout, metadata=metadata)
         try:
@@ -151,7 +228,7 @@ class SchedulerClient:
         request: scheduler_pb2.ScheduleRequest,
         timeout: float | None,
         metadata: Metadata,
-    ) -> AsyncGenerator[scheduler_pb2.ScheduleResponse]:
+    ) -> AsyncGenerator[Response]:
         tag = next(self._tags)
         inbox = feed.attach(tag)
         request.subscription_id, request.stream_tag = feed.id, tag
@@ -186,7 +263,7 @@ class SchedulerClient:
     async def _open_feed(self, timeout: float | None) -> Feed | None:
         """The open feed, opened on first use and after a break (one opening at a time,
         waited for at most ``timeout``); None when the scheduler does not serve Subscribe."""
-        if self._feed is not None and self._feed.error is None:
+        if self._feed is not None and self._feed.error is None and not self._feed.is_stale:
             return self._feed
         if self._opening is None or self._opening.done():
             self._opening = asyncio.ensure_future(self._open())
@@ -209,19 +286,35 @@ class SchedulerClient:
         return self._feed
 
     async def _open(self) -> Feed:
+        if self.is_connect:
+            try:
+                return await self._open_connect()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.warning("the scheduler has no Connect; requests as Generate calls")
+                self.is_connect = False
         call = self._stub.Subscribe(scheduler_pb2.SubscribeRequest())
         first = await call.read()
         if first is grpc.aio.EOF:
             raise await _error_of(call) or _unavailable("the scheduler ended Subscribe at once")
-        feed = Feed(first.subscription_id, call)
+        return self._start(Feed(first.subscription_id, call))
+
+    async def _open_connect(self) -> Feed:
+        outbox = Outbox()
+        call = self._stub.Connect(outbox.messages())
+        first = await call.read()
+        if first is grpc.aio.EOF:
+            raise await _error_of(call) or _unavailable("the scheduler ended Connect at once")
+        return self._start(Feed(first.subscription_id, call, outbox))
+
+    def _start(self, feed: Feed) -> Feed:
         feed.reader = asyncio.ensure_future(feed.read())
         log.info("shared token stream open")
         return feed
 
 
-def _caught_up(
-    response: scheduler_pb2.ScheduleResponse, inbox: asyncio.Queue[_Item]
-) -> tuple[scheduler_pb2.ScheduleResponse, _Item | None]:
+def _caught_up(response: Response, inbox: asyncio.Queue[_Item]) -> tuple[Response, _Item | None]:
     """``response`` and the responses queued behind it as one message, and the first other
     item met on the way, kept for after it. A request that fell behind the steps (its
     caller reads slower than the worker makes tokens) then costs one message downstream,
@@ -229,10 +322,24 @@ def _caught_up(
     of the first (later ones do not carry it), the finish and usage of the last."""
     while not response.finish_reason and not inbox.empty():
         more = inbox.get_nowait()
-        if not isinstance(more, scheduler_pb2.ScheduleResponse):
+        if isinstance(more, Tokens) or (
+            isinstance(more, scheduler_pb2.ScheduleResponse) and not more.HasField("failure")
+        ):
+            response = _merged(response, more)
+        else:
             return response, more
-        response.MergeFrom(more)
     return response, None
+
+
+def _merged(response: Response, more: Response) -> Response:
+    if isinstance(response, Tokens):
+        return response.then(more)
+    if isinstance(more, Tokens):
+        response.token_ids.extend(more.token_ids)
+        response.logprobs.extend(more.logprobs)
+    else:
+        response.MergeFrom(more)
+    return response
 
 
 async def _error_of(call: grpc.aio.UnaryStreamCall) -> grpc.aio.AioRpcError | None:

@@ -21,7 +21,9 @@ from scheduler.service import SchedulerService
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 # Only the gateway submits work: behind it sit the keys, the rate limits and the screen.
-POLICY = Policy.of(Generate=["gateway"], Subscribe=["gateway"], GetStats=["gateway", "client"])
+POLICY = Policy.of(
+    Generate=["gateway"], Subscribe=["gateway"], Connect=["gateway"], GetStats=["gateway", "client"]
+)
 
 
 async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
@@ -30,8 +32,9 @@ async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
         f"{config.host}:{config.port}",
         config.grace,
         # A gateway's shared token stream lives as long as the gateway: a drain waits for
-        # the Generate calls whose tokens ride on it, not for it.
-        untracked=(f"/{SERVICE_NAME}/Subscribe",),
+        # the Generate calls whose tokens ride on it, not for it; a Connect stream's
+        # requests are counted one by one (scheduler/mux.py).
+        untracked=(f"/{SERVICE_NAME}/Subscribe", f"/{SERVICE_NAME}/Connect"),
         credentials=tls.server_credentials() if tls else None,
         policy=POLICY if tls else None,
         health_port=config.health_port,
@@ -49,7 +52,9 @@ async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
     )
     registry.register(PoolCollector(pool.links))
     service = SchedulerService(pool, config.max_queue, metrics)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(service), runtime.server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+        SchedulerServicer(service, runtime), runtime.server
+    )
     await runtime.start([SERVICE_NAME])
     metrics_http = await start_metrics_http(registry, config.host, config.metrics_port)
     watcher = asyncio.create_task(pool.watch_forever())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from opentelemetry.context import Context
 
@@ -108,7 +108,7 @@ class SchedulerService:
         params: Request,
         trace_context: Context | None = None,
         feed: tuple[Subscription, int, int] | None = None,
-    ) -> AsyncIterator[SeqEvent]:
+    ) -> AsyncGenerator[SeqEvent]:
         """Yields the sequence's events until it finishes; cancels it if the caller leaves.
         With ``feed`` (a subscription, the request's tag on it and its stream interval),
         tokens go to the subscription, and only the end comes here."""

@@ -43,6 +43,7 @@ class Subscription:
         self.peer = peer  # the connection it was opened on: only calls on it may attach
         self.is_closed = False
         self._pending: dict[int, tuple[SeqEvent, bool]] = {}
+        self._failures: list[tuple[int, Exception]] = []  # a Connect stream's, by tag
         self._ready = asyncio.Event()
         self._ends: dict[int, tuple[Sequence, EventSink]] = {}  # tag -> (seq, its own queue)
 
@@ -69,10 +70,23 @@ class Subscription:
         self._pending[tag] = (event, is_first)
         self._ready.set()
 
+    def fail(self, tag: int, error: Exception) -> None:
+        """The request tagged ``tag`` (on a Connect stream) failed with ``error``: its last
+        entry, after any tokens it made before."""
+        if self.is_closed:
+            return
+        self._failures.append((tag, error))
+        self._ready.set()
+
+    def take_failures(self) -> list[tuple[int, Exception]]:
+        """The failures since the last call (taken with ``next_batch``'s events)."""
+        failures, self._failures = self._failures, []
+        return failures
+
     @property
     def has_pending(self) -> bool:
         """Whether events wait for the next batch."""
-        return bool(self._pending)
+        return bool(self._pending) or bool(self._failures)
 
     async def next_batch(self) -> list[tuple[int, SeqEvent, bool]]:
         """Waits for events, then takes all of them: (tag, event, whether it is the
@@ -87,6 +101,7 @@ class Subscription:
         """The stream is gone: every attached request ends as cancelled (the caller left)."""
         self.is_closed = True
         self._pending.clear()
+        self._failures.clear()
         for seq, own in self._ends.values():
             own.put_nowait(SeqEvent.of(seq, finish=Finish.CANCELLED))
         self._ends.clear()

@@ -41,6 +41,10 @@ class Event(Protocol):
     def usage(self) -> DataclassInstance: ...
     @property
     def queue_seconds(self) -> float | None: ...
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def logprobs(self) -> tuple[float, ...]: ...
 
 
 def request_to_pb(request: Request) -> scheduler_pb2.ScheduleRequest:
@@ -106,11 +110,35 @@ def response_to_pb(
     return _add_response(scheduler_pb2.ScheduleResponse, event, is_first, stream_tag)
 
 
-def batch_to_pb(entries: Iterable[tuple[int, Event, bool]]) -> scheduler_pb2.ScheduleBatch:
+def batch_to_pb(
+    entries: Iterable[tuple[int, Event, bool]], packed: bool = False
+) -> scheduler_pb2.ScheduleBatch:
     """One shared-stream message: a response per (tag, event, whether it is the request's
-    first entry), each built in place in the batch."""
+    first entry), each built in place in the batch. ``packed`` (a Connect stream): the
+    entries that carry tokens and logprobs only go in the batch's parallel arrays instead,
+    four repeated fields filled at once rather than a message per request."""
     batch = scheduler_pb2.ScheduleBatch()
     add = batch.responses.add
+    if not packed:
+        for tag, event, is_first in entries:
+            _add_response(add, event, is_first, tag)
+        return batch
+    tags: list[int] = []
+    counts: list[int] = []
+    ids: list[int] = []
+    logprobs: list[float] = []
     for tag, event, is_first in entries:
-        _add_response(add, event, is_first, tag)
+        tokens, probs = event.token_ids, event.logprobs
+        if is_first or event.finish is not None or event.top_logprobs or len(probs) != len(tokens):
+            _add_response(add, event, is_first, tag)
+            continue
+        tags.append(tag)
+        counts.append(len(tokens))
+        ids += tokens
+        logprobs += probs
+    if tags:
+        batch.packed_tags.extend(tags)
+        batch.packed_num_tokens.extend(counts)
+        batch.packed_token_ids.extend(ids)
+        batch.packed_logprobs.extend(logprobs)
     return batch

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from canteen.v1 import common_pb2 as canteen_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/scheduler.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\xff\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x1b\n\x13\x64isable_speculation\x18\x0b \x01(\x08\x12\x17\n\x0fsubscription_id\x18\x0c \x01(\t\x12\x12\n\nstream_tag\x18\r \x01(\x04\x12\x17\n\x0fstream_interval\x18\x0e \x01(\x05\x12\'\n\x07\x61\x64\x61pter\x18\x0f \x01(\x0b\x32\x16.canteen.v1.AdapterRef\"\xe4\x01\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\x12\x12\n\nstream_tag\x18\x07 \x01(\x04\"\x12\n\x10SubscribeRequest\"Y\n\rScheduleBatch\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12/\n\tresponses\x18\x02 \x03(\x0b\x32\x1c.canteen.v1.ScheduleResponse\"\x11\n\x0fGetStatsRequest\"\xf2\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x10\n\x08is_ready\x18\n \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\x12\x11\n\tblock_map\x18\x0e \x01(\t\x12,\n\x07running\x18\x0f \x03(\x0b\x32\x1b.canteen.v1.RunningSequence\x12\x17\n\x0flast_batch_size\x18\x10 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x11 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x12 \x01(\x03\x12\x15\n\rkv_host_bytes\x18\x13 \x01(\x03\x12\x15\n\rkv_disk_bytes\x18\x14 \x01(\x03\x12\x1c\n\x14num_host_tier_blocks\x18\x15 \x01(\x05\x12\x1c\n\x14num_disk_tier_blocks\x18\x16 \x01(\x05\x12\x19\n\x11num_tier_offloads\x18\x17 \x01(\x03\x12\x18\n\x10num_tier_reloads\x18\x18 \x01(\x03\x12\x1a\n\x12num_failed_reloads\x18\x19 \x01(\x03\"\x94\x01\n\x0fRunningSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bis_decoding\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\t\"p\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerStats\x12\x32\n\x0frefused_workers\x18\x02 \x03(\x0b\x32\x19.canteen.v1.RefusedWorker\"C\n\rRefusedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xe3\x01\n\tScheduler\x12G\n\x08Generate\x12\x1b.canteen.v1.ScheduleRequest\x1a\x1c.canteen.v1.ScheduleResponse0\x01\x12\x46\n\tSubscribe\x12\x1c.canteen.v1.SubscribeRequest\x1a\x19.canteen.v1.ScheduleBatch0\x01\x12\x45\n\x08GetStats\x12\x1b.canteen.v1.GetStatsRequest\x1a\x1c.canteen.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63\x61nteen/v1/scheduler.proto\x12\ncanteen.v1\x1a\x17\x63\x61nteen/v1/common.proto\"\xff\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.canteen.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x12\n\ncache_salt\x18\n \x01(\t\x12\x1b\n\x13\x64isable_speculation\x18\x0b \x01(\x08\x12\x17\n\x0fsubscription_id\x18\x0c \x01(\t\x12\x12\n\nstream_tag\x18\r \x01(\x04\x12\x17\n\x0fstream_interval\x18\x0e \x01(\x05\x12\'\n\x07\x61\x64\x61pter\x18\x0f \x01(\x0b\x32\x16.canteen.v1.AdapterRef\"\x8f\x02\n\x10ScheduleResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.canteen.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.canteen.v1.Usage\x12\x15\n\rqueue_seconds\x18\x05 \x01(\x01\x12-\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32\x17.canteen.v1.TopLogprobs\x12\x12\n\nstream_tag\x18\x07 \x01(\x04\x12)\n\x07\x66\x61ilure\x18\x08 \x01(\x0b\x32\x18.canteen.v1.RequestError\"@\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x11\n\tretryable\x18\x03 \x01(\x08\"M\n\x0e\x43onnectRequest\x12*\n\x07submits\x18\x01 \x03(\x0b\x32\x19.canteen.v1.SubmitRequest\x12\x0f\n\x07\x63\x61ncels\x18\x02 \x03(\x04\"k\n\rSubmitRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.canteen.v1.ScheduleRequest\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"\x12\n\x10SubscribeRequest\"\xbc\x01\n\rScheduleBatch\x12\x17\n\x0fsubscription_id\x18\x01 \x01(\t\x12/\n\tresponses\x18\x02 \x03(\x0b\x32\x1c.canteen.v1.ScheduleResponse\x12\x13\n\x0bpacked_tags\x18\x03 \x03(\x04\x12\x19\n\x11packed_num_tokens\x18\x04 \x03(\x05\x12\x18\n\x10packed_token_ids\x18\x05 \x03(\x05\x12\x17\n\x0fpacked_logprobs\x18\x06 \x03(\x02\"\x11\n\x0fGetStatsRequest\"\xf2\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x10\n\x08is_ready\x18\n \x01(\x08\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\x05\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\r \x01(\x01\x12\x11\n\tblock_map\x18\x0e \x01(\t\x12,\n\x07running\x18\x0f \x03(\x0b\x32\x1b.canteen.v1.RunningSequence\x12\x17\n\x0flast_batch_size\x18\x10 \x01(\x05\x12\x18\n\x10num_draft_tokens\x18\x11 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x12 \x01(\x03\x12\x15\n\rkv_host_bytes\x18\x13 \x01(\x03\x12\x15\n\rkv_disk_bytes\x18\x14 \x01(\x03\x12\x1c\n\x14num_host_tier_blocks\x18\x15 \x01(\x05\x12\x1c\n\x14num_disk_tier_blocks\x18\x16 \x01(\x05\x12\x19\n\x11num_tier_offloads\x18\x17 \x01(\x03\x12\x18\n\x10num_tier_reloads\x18\x18 \x01(\x03\x12\x1a\n\x12num_failed_reloads\x18\x19 \x01(\x03\"\x94\x01\n\x0fRunningSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_blocks\x18\x04 \x01(\x05\x12\x13\n\x0bis_decoding\x18\x05 \x01(\x08\x12\x0e\n\x06seq_id\x18\x06 \x01(\t\"p\n\x10GetStatsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.canteen.v1.WorkerStats\x12\x32\n\x0frefused_workers\x18\x02 \x03(\x0b\x32\x19.canteen.v1.RefusedWorker\"C\n\rRefusedWorker\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xa9\x02\n\tScheduler\x12G\n\x08Generate\x12\x1b.canteen.v1.ScheduleRequest\x1a\x1c.canteen.v1.ScheduleResponse0\x01\x12\x46\n\tSubscribe\x12\x1c.canteen.v1.SubscribeRequest\x1a\x19.canteen.v1.ScheduleBatch0\x01\x12\x44\n\x07\x43onnect\x12\x1a.canteen.v1.ConnectRequest\x1a\x19.canteen.v1.ScheduleBatch(\x01\x30\x01\x12\x45\n\x08GetStats\x12\x1b.canteen.v1.GetStatsRequest\x1a\x1c.canteen.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULEREQUEST']._serialized_start=68
   _globals['_SCHEDULEREQUEST']._serialized_end=451
   _globals['_SCHEDULERESPONSE']._serialized_start=454
-  _globals['_SCHEDULERESPONSE']._serialized_end=682
-  _globals['_SUBSCRIBEREQUEST']._serialized_start=684
-  _globals['_SUBSCRIBEREQUEST']._serialized_end=702
-  _globals['_SCHEDULEBATCH']._serialized_start=704
-  _globals['_SCHEDULEBATCH']._serialized_end=793
-  _globals['_GETSTATSREQUEST']._serialized_start=795
-  _globals['_GETSTATSREQUEST']._serialized_end=812
-  _globals['_WORKERSTATS']._serialized_start=815
-  _globals['_WORKERSTATS']._serialized_end=1441
-  _globals['_RUNNINGSEQUENCE']._serialized_start=1444
-  _globals['_RUNNINGSEQUENCE']._serialized_end=1592
-  _globals['_GETSTATSRESPONSE']._serialized_start=1594
-  _globals['_GETSTATSRESPONSE']._serialized_end=1706
-  _globals['_REFUSEDWORKER']._serialized_start=1708
-  _globals['_REFUSEDWORKER']._serialized_end=1775
-  _globals['_SCHEDULER']._serialized_start=1778
-  _globals['_SCHEDULER']._serialized_end=2005
+  _globals['_SCHEDULERESPONSE']._serialized_end=725
+  _globals['_REQUESTERROR']._serialized_start=727
+  _globals['_REQUESTERROR']._serialized_end=791
+  _globals['_CONNECTREQUEST']._serialized_start=793
+  _globals['_CONNECTREQUEST']._serialized_end=870
+  _globals['_SUBMITREQUEST']._serialized_start=872
+  _globals['_SUBMITREQUEST']._serialized_end=979
+  _globals['_SUBSCRIBEREQUEST']._serialized_start=981
+  _globals['_SUBSCRIBEREQUEST']._serialized_end=999
+  _globals['_SCHEDULEBATCH']._serialized_start=1002
+  _globals['_SCHEDULEBATCH']._serialized_end=1190
+  _globals['_GETSTATSREQUEST']._serialized_start=1192
+  _globals['_GETSTATSREQUEST']._serialized_end=1209
+  _globals['_WORKERSTATS']._serialized_start=1212
+  _globals['_WORKERSTATS']._serialized_end=1838
+  _globals['_RUNNINGSEQUENCE']._serialized_start=1841
+  _globals['_RUNNINGSEQUENCE']._serialized_end=1989
+  _globals['_GETSTATSRESPONSE']._serialized_start=1991
+  _globals['_GETSTATSRESPONSE']._serialized_end=2103
+  _globals['_REFUSEDWORKER']._serialized_start=2105
+  _globals['_REFUSEDWORKER']._serialized_end=2172
+  _globals['_SCHEDULER']._serialized_start=2175
+  _globals['_SCHEDULER']._serialized_end=2472
 # @@protoc_insertion_point(module_scope)

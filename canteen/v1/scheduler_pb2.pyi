@@ -131,6 +131,7 @@ class ScheduleResponse(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     STREAM_TAG_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     finish_reason: _common_pb2.FinishReason.ValueType
     """Set on the last message only."""
     queue_seconds: _builtins.float
@@ -153,6 +154,12 @@ class ScheduleResponse(_message.Message):
     def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]:
         """The most likely alternatives at each token of token_ids (when sampling.top_logprobs > 0)."""
 
+    @_builtins.property
+    def failure(self) -> Global___RequestError:
+        """On a Connect stream only: the request failed (it is its last entry): the status a
+        Generate call would have ended with.
+        """
+
     def __init__(
         self,
         *,
@@ -163,14 +170,115 @@ class ScheduleResponse(_message.Message):
         queue_seconds: _builtins.float = ...,
         top_logprobs: _abc.Iterable[_common_pb2.TopLogprobs] | None = ...,
         stream_tag: _builtins.int = ...,
+        failure: Global___RequestError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "queue_seconds", b"queue_seconds", "stream_tag", b"stream_tag", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "queue_seconds", b"queue_seconds", "stream_tag", b"stream_tag", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScheduleResponse: _TypeAlias = ScheduleResponse  # noqa: Y015
+
+@_typing.final
+class RequestError(_message.Message):
+    """Why a request submitted on a Connect stream failed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRYABLE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A grpc.StatusCode value (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ...)."""
+    message: _builtins.str
+    """What a person can act on, as a Generate call's status details would say it."""
+    retryable: _builtins.bool
+    """The request never started (the scheduler is draining): the caller may send it again,
+    here after a reconnect or elsewhere. False for the scheduler's own verdicts.
+    """
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        retryable: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retryable", b"retryable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestError: _TypeAlias = RequestError  # noqa: Y015
+
+@_typing.final
+class ConnectRequest(_message.Message):
+    """One message from the caller on a Connect stream: requests to run and requests to cancel,
+    as many as were ready when it was sent (one write for them all).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBMITS_FIELD_NUMBER: _builtins.int
+    CANCELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def submits(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitRequest]:
+        """Requests to run, in order."""
+
+    @_builtins.property
+    def cancels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The stream_tags of running requests to cancel (their blocks are freed; no entry follows).
+        Applied after the submits of the same message.
+        """
+
+    def __init__(
+        self,
+        *,
+        submits: _abc.Iterable[Global___SubmitRequest] | None = ...,
+        cancels: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancels", b"cancels", "submits", b"submits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+
+@_typing.final
+class SubmitRequest(_message.Message):
+    """One request submitted on a Connect stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    timeout_seconds: _builtins.float
+    """The seconds left of the request's deadline as it was sent (0: none)."""
+    traceparent: _builtins.str
+    """The caller's W3C trace context (a traceparent header value), or empty."""
+    @_builtins.property
+    def request(self) -> Global___ScheduleRequest:
+        """The request; its stream_tag (required, unique among the stream's running requests) tags
+        its entries; subscription_id is not used.
+        """
+
+    def __init__(
+        self,
+        *,
+        request: Global___ScheduleRequest | None = ...,
+        timeout_seconds: _builtins.float = ...,
+        traceparent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "timeout_seconds", b"timeout_seconds", "traceparent", b"traceparent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitRequest: _TypeAlias = SubmitRequest  # noqa: Y015
 
 @_typing.final
 class SubscribeRequest(_message.Message):
@@ -197,6 +305,10 @@ class ScheduleBatch(_message.Message):
 
     SUBSCRIPTION_ID_FIELD_NUMBER: _builtins.int
     RESPONSES_FIELD_NUMBER: _builtins.int
+    PACKED_TAGS_FIELD_NUMBER: _builtins.int
+    PACKED_NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PACKED_LOGPROBS_FIELD_NUMBER: _builtins.int
     subscription_id: _builtins.str
     """Set on the first message only (which carries no responses): the id Generate calls name."""
     @_builtins.property
@@ -205,15 +317,40 @@ class ScheduleBatch(_message.Message):
         entry with finish_reason set is that request's last.
         """
 
+    @_builtins.property
+    def packed_tags(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """On a Connect stream, the entries that carry tokens and nothing else (not a request's
+        first, nor its last, nor with alternatives), packed as parallel arrays: the i-th is the
+        request tagged packed_tags[i], with packed_num_tokens[i] tokens, taken in order from
+        packed_token_ids, each with its log-probability in packed_logprobs. They come before
+        the entries in responses (a request's failure follows its last tokens).
+        """
+
+    @_builtins.property
+    def packed_num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens of each packed entry."""
+
+    @_builtins.property
+    def packed_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The packed entries' tokens, entry after entry."""
+
+    @_builtins.property
+    def packed_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The log-probability of each token of packed_token_ids."""
+
     def __init__(
         self,
         *,
         subscription_id: _builtins.str = ...,
         responses: _abc.Iterable[Global___ScheduleResponse] | None = ...,
+        packed_tags: _abc.Iterable[_builtins.int] | None = ...,
+        packed_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        packed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        packed_logprobs: _abc.Iterable[_builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["responses", b"responses", "subscription_id", b"subscription_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["packed_logprobs", b"packed_logprobs", "packed_num_tokens", b"packed_num_tokens", "packed_tags", b"packed_tags", "packed_token_ids", b"packed_token_ids", "responses", b"responses", "subscription_id", b"subscription_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

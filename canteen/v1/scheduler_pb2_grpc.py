@@ -45,6 +45,11 @@ class SchedulerStub:
                 request_serializer=canteen_dot_v1_dot_scheduler__pb2.SubscribeRequest.SerializeToString,
                 response_deserializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.FromString,
                 _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/canteen.v1.Scheduler/Connect',
+                request_serializer=canteen_dot_v1_dot_scheduler__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/canteen.v1.Scheduler/GetStats',
                 request_serializer=canteen_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
@@ -73,6 +78,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request_iterator, context):
+        """A shared stream that also carries the requests: the caller submits and cancels requests
+        as messages on one long-lived call (no Generate call each), and every request's tokens,
+        its final message and its error come back tagged on the batches, one message per step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Reports the state of every worker's batch and KV pool.
         """
@@ -91,6 +105,11 @@ def add_SchedulerServicer_to_server(servicer, server):
             'Subscribe': grpc.unary_stream_rpc_method_handler(
                     servicer.Subscribe,
                     request_deserializer=canteen_dot_v1_dot_scheduler__pb2.SubscribeRequest.FromString,
+                    response_serializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=canteen_dot_v1_dot_scheduler__pb2.ConnectRequest.FromString,
                     response_serializer=canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
@@ -153,6 +172,33 @@ class Scheduler:
             target,
             '/canteen.v1.Scheduler/Subscribe',
             canteen_dot_v1_dot_scheduler__pb2.SubscribeRequest.SerializeToString,
+            canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/canteen.v1.Scheduler/Connect',
+            canteen_dot_v1_dot_scheduler__pb2.ConnectRequest.SerializeToString,
             canteen_dot_v1_dot_scheduler__pb2.ScheduleBatch.FromString,
             options,
             channel_credentials,

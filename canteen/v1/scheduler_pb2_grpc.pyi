@@ -41,6 +41,11 @@ class SchedulerStub:
     it only ends, with OK or with the request's error, and its tokens and final message (with
     finish_reason and usage) come here, tagged with its stream_tag.
     """
+    Connect: _grpc.StreamStreamMultiCallable[_scheduler_pb2.ConnectRequest, _scheduler_pb2.ScheduleBatch]
+    """A shared stream that also carries the requests: the caller submits and cancels requests
+    as messages on one long-lived call (no Generate call each), and every request's tokens,
+    its final message and its error come back tagged on the batches, one message per step.
+    """
     GetStats: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetStatsRequest, _scheduler_pb2.GetStatsResponse]
     """Reports the state of every worker's batch and KV pool."""
 
@@ -56,6 +61,11 @@ class SchedulerAsyncStub(SchedulerStub):
     tokens. A Generate call that names the subscription sends no messages on its own stream:
     it only ends, with OK or with the request's error, and its tokens and final message (with
     finish_reason and usage) come here, tagged with its stream_tag.
+    """
+    Connect: _aio.StreamStreamMultiCallable[_scheduler_pb2.ConnectRequest, _scheduler_pb2.ScheduleBatch]  # type: ignore[assignment]
+    """A shared stream that also carries the requests: the caller submits and cancels requests
+    as messages on one long-lived call (no Generate call each), and every request's tokens,
+    its final message and its error come back tagged on the batches, one message per step.
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetStatsRequest, _scheduler_pb2.GetStatsResponse]  # type: ignore[assignment]
     """Reports the state of every worker's batch and KV pool."""
@@ -81,6 +91,17 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         tokens. A Generate call that names the subscription sends no messages on its own stream:
         it only ends, with OK or with the request's error, and its tokens and final message (with
         finish_reason and usage) come here, tagged with its stream_tag.
+        """
+
+    @_abc_1.abstractmethod
+    def Connect(
+        self,
+        request_iterator: _MaybeAsyncIterator[_scheduler_pb2.ConnectRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.ScheduleBatch], _abc.AsyncIterator[_scheduler_pb2.ScheduleBatch]]:
+        """A shared stream that also carries the requests: the caller submits and cancels requests
+        as messages on one long-lived call (no Generate call each), and every request's tokens,
+        its final message and its error come back tagged on the batches, one message per step.
         """
 
     @_abc_1.abstractmethod

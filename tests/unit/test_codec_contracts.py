@@ -293,7 +293,7 @@ ONE_SIDED = [
         SeqEvent,
         scheduler_pb2.ScheduleResponse,
         {"seq_id", "finish", "error", "is_refused", "is_request_error"},
-        {"finish_reason", "stream_tag"},
+        {"finish_reason", "stream_tag", "failure"},
     ),
 ]
 

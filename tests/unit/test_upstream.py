@@ -12,6 +12,7 @@ import pytest
 
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from gateway.upstream import SchedulerClient
+from gateway.upstream_connect import Response
 
 TOKENS = [7, 8, 9]
 
@@ -42,6 +43,15 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.GetStatsResponse:
         return scheduler_pb2.GetStatsResponse()
+
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.ScheduleBatch]:
+        # A scheduler from before Connect: requests go as Generate calls.
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        yield scheduler_pb2.ScheduleBatch()
 
     async def Generate(
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
@@ -120,6 +130,7 @@ async def _tokens(client: SchedulerClient, timeout: float = 10) -> list[int]:
     async for msg in client.stream(request, timeout, ()):
         got.extend(msg.token_ids)
         if msg.finish_reason:
+            assert isinstance(msg, scheduler_pb2.ScheduleResponse)  # a last entry is one
             assert msg.usage.completion_tokens == len(got)
     return got
 
@@ -207,7 +218,7 @@ async def test_a_caller_behind_the_steps_gets_the_tokens_it_missed_in_one_messag
 ) -> None:
     _, client = scripted
     request = scheduler_pb2.ScheduleRequest(request_id="r", model="m", max_tokens=3)
-    got: list[scheduler_pb2.ScheduleResponse] = []
+    got: list[Response] = []
     async for msg in client.stream(request, 10, ()):
         got.append(msg)
         await asyncio.sleep(0.3)  # every later token arrives meanwhile
@@ -217,4 +228,5 @@ async def test_a_caller_behind_the_steps_gets_the_tokens_it_missed_in_one_messag
     assert [round(lp, 3) for m in got for lp in m.logprobs] == [-0.7, -0.8, -0.9]
     assert got[0].queue_seconds == 0.25
     assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert isinstance(got[-1], scheduler_pb2.ScheduleResponse)  # a last entry is one
     assert got[-1].usage.completion_tokens == 3
