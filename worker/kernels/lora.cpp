@@ -209,6 +209,7 @@ inline void add_sums(float* dst, const float* sum, int64_t count) {
   for (int64_t i = 0; i < count; ++i) dst[i] = dst[i] + (sum[i] + 0.f);
 }
 
+// rows_of: each listed row's output row in y; nullptr: y holds the listed rows in order.
 template <typename T>
 void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_out) {
   const int64_t rows = s.counts[t.adapter], at = s.first[t.adapter], size = s.part_sizes[t.part];
@@ -221,7 +222,7 @@ void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_ou
     const auto* z = s.zs.data() + (t.part * s.total + at + r0) * s.z_steps;
     tile_sums<T>(z, n, s.z_steps, steps, w, steps * kLanes, static_cast<int>(t.count), out);
     for (int64_t r = 0; r < n; ++r) {
-      T* dst = y + rows_of[at + r0 + r] * n_out + offset;
+      T* dst = y + (rows_of ? rows_of[at + r0 + r] : at + r0 + r) * n_out + offset;
       for (int64_t b = 0; b < t.count; ++b) {
         const int64_t j = (t.block + b) * kLanes;
         add_sums(dst + j, out + (r * t.count + b) * kLanes, std::min<int64_t>(kLanes, size - j));
@@ -304,7 +305,8 @@ void run_all(Step<T>& s, T* y, const int64_t* rows_of, int64_t n_out) {
 
 template <typename T>
 void add_deltas(at::Tensor& y, const at::Tensor& x, const int64_t* rows_of, at::IntArrayRef counts,
-                const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts) {
+                const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts,
+                bool packed) {
   using W = typename Words<T>::W;
   constexpr int64_t per = Words<T>::per;
   Step<T> s{weights, static_cast<int64_t>(parts.size()), parts.data()};
@@ -332,21 +334,21 @@ void add_deltas(at::Tensor& y, const at::Tensor& x, const int64_t* rows_of, at::
   for (int64_t r = 0; r < total; ++r) std::memcpy(s.xs.data() + r * s.in_steps, xp + rows_of[r] * k, k * sizeof(T));
   s.zf.assign(total * s.z_width, 0.f);
   s.zs.assign(s.parts * total * s.z_steps, W{});
-  run_all(s, y.data_ptr<T>(), rows_of, y.size(1));
+  run_all(s, y.data_ptr<T>(), packed ? nullptr : rows_of, y.size(1));
 }
 
 }  // namespace
 
 void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::IntArrayRef counts,
-                   const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts) {
-  int64_t sum = 0;
+                   const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts,
+                   bool packed) {
+  int64_t sum = 0, total = 0;
   for (const int64_t p : parts) sum += p;
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.is_contiguous() && y.is_contiguous() &&
-                  x.scalar_type() == y.scalar_type() && y.size(1) == sum,
-              "lora_add: x [T, in] and y [T, sum(parts)], contiguous, one dtype");
-  TORCH_CHECK(counts.size() == ranks.size(), "lora_add: one count and one rank per adapter");
-  int64_t total = 0;
   for (const int64_t c : counts) total += c;
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && (packed ? y.size(0) == total : x.size(0) == y.size(0)) &&
+                  x.is_contiguous() && y.is_contiguous() && x.scalar_type() == y.scalar_type() && y.size(1) == sum,
+              "lora_add: x [T, in] and y [T, sum(parts)] ([rows, sum(parts)] packed), contiguous, one dtype");
+  TORCH_CHECK(counts.size() == ranks.size(), "lora_add: one count and one rank per adapter");
   for (int64_t r = 0; r < total; ++r)
     TORCH_CHECK(rows[r] >= 0 && rows[r] < x.size(0), "lora_add: row ", rows[r], " outside x's ", x.size(0), " rows");
   const int64_t per = x.scalar_type() == at::kBFloat16 ? 2 : 1;
@@ -365,9 +367,9 @@ void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::
     }
   }
   if (x.scalar_type() == at::kBFloat16)
-    add_deltas<at::BFloat16>(y, x, rows, counts, scales, ranks, weights, parts);
+    add_deltas<at::BFloat16>(y, x, rows, counts, scales, ranks, weights, parts, packed);
   else if (x.scalar_type() == at::kFloat)
-    add_deltas<float>(y, x, rows, counts, scales, ranks, weights, parts);
+    add_deltas<float>(y, x, rows, counts, scales, ranks, weights, parts, packed);
   else
     TORCH_CHECK(false, "lora_add: x bfloat16 or float32");
 }
@@ -375,7 +377,8 @@ void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::
 namespace {
 
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef counts,
-              const at::Tensor& scales, at::IntArrayRef ranks, at::TensorList weights, at::IntArrayRef parts) {
+              const at::Tensor& scales, at::IntArrayRef ranks, at::TensorList weights, at::IntArrayRef parts,
+              bool packed = false) {
   int64_t total = 0;
   for (const int64_t c : counts) total += c;
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == total,
@@ -384,7 +387,20 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::In
               "lora_add: scales float64, one per adapter");
   TORCH_CHECK(weights.size() == counts.size() * (1 + parts.size()), "lora_add: A and each part's B per adapter");
   const auto sc = scales.contiguous();
-  lora_add_into(y, x, rows.data_ptr<int64_t>(), counts, sc.data_ptr<double>(), ranks, weights.data(), parts);
+  lora_add_into(y, x, rows.data_ptr<int64_t>(), counts, sc.data_ptr<double>(), ranks, weights.data(), parts,
+                packed);
+}
+
+// The deltas alone, [rows, sum(parts)], listed row after listed row: T(delta), and -0.0
+// (an exact no-op addend) where an adapter lacks a part. The addend a fused linear takes
+// (skinny_linear's and quant_linear's ``addend``, with ``rows`` as ``addend_rows``).
+at::Tensor lora_deltas(const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef counts, const at::Tensor& scales,
+                       at::IntArrayRef ranks, at::TensorList weights, at::IntArrayRef parts) {
+  int64_t sum = 0;
+  for (const int64_t p : parts) sum += p;
+  auto d = at::full({rows.numel(), sum}, -0.0, x.options());
+  lora_add(d, x, rows, counts, scales, ranks, weights, parts, true);
+  return d;
 }
 
 }  // namespace
@@ -394,6 +410,14 @@ TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor rows, int[] counts, Tensor scales, int[] ranks, "
       "Tensor[] weights, int[] parts) -> ()");
+  m.def(
+      "lora_deltas(Tensor x, Tensor rows, int[] counts, Tensor scales, int[] ranks, Tensor[] weights, "
+      "int[] parts) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("lora_add", &canteen::lora_add); }
+TORCH_LIBRARY_IMPL(canteen, CPU, m) {
+  m.impl("lora_add", [](at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef counts,
+                        const at::Tensor& scales, at::IntArrayRef ranks, at::TensorList weights,
+                        at::IntArrayRef parts) { canteen::lora_add(y, x, rows, counts, scales, ranks, weights, parts); });
+  m.impl("lora_deltas", &canteen::lora_deltas);
+}
