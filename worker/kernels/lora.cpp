@@ -42,6 +42,9 @@ constexpr int kTileRows = 8;   // rows of one register tile
 // Below this many weight words a call's rows meet, one thread: a fork and join costs more.
 constexpr int64_t kParallelWords = 1 << 16;
 constexpr int kMostBlocks = 3; // blocks of 16 outputs a tile takes at once (24 sums: 8 rows x 3)
+// Lanes (64 bytes each) each weight stream is fetched ahead: a step's few rows do too little
+// work per lane for the hardware prefetcher alone to keep the loads from waiting on memory.
+constexpr int64_t kAhead = 64;
 
 // How a lane holds x's values: a pair of bfloat16 in 32 bits, or one float32.
 template <typename T>
@@ -69,8 +72,10 @@ void sums(const typename Words<T>::W* x, int64_t stride, int64_t steps, const ty
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_ps();
     for (int64_t p = 0; p < steps; ++p) {
       __m512bh wv[Blocks];
-      for (int b = 0; b < Blocks; ++b)
+      for (int b = 0; b < Blocks; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * block + (p + kAhead) * kLanes), _MM_HINT_T0);
         wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + b * block + p * kLanes));
+      }
       for (int r = 0; r < Rows; ++r) {
         const auto xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * stride + p])));
         for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
@@ -99,7 +104,10 @@ void sums(const typename Words<T>::W* x, int64_t stride, int64_t steps, const ty
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < steps; ++k) {
       __m512 wv[Blocks];
-      for (int b = 0; b < Blocks; ++b) wv[b] = _mm512_loadu_ps(w + b * block + k * kLanes);
+      for (int b = 0; b < Blocks; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * block + (k + kAhead) * kLanes), _MM_HINT_T0);
+        wv[b] = _mm512_loadu_ps(w + b * block + k * kLanes);
+      }
       for (int r = 0; r < Rows; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * stride + k]);
         for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
@@ -209,7 +217,25 @@ inline void add_sums(float* dst, const float* sum, int64_t count) {
   for (int64_t i = 0; i < count; ++i) dst[i] = dst[i] + (sum[i] + 0.f);
 }
 
-// rows_of: each listed row's output row in y; nullptr: y holds the listed rows in order.
+// dst[i] = T(sum[i] + 0), i < count <= 16: T(-0.0 + T(sum)), add_sums' bits onto lora_deltas'
+// -0.0 (x + -0.0 is x, and sum + 0 is never -0.0), without reading dst.
+inline void store_sums(at::BFloat16* dst, const float* sum, int64_t count) {
+#if defined(__AVX512BF16__)
+  if (count == kLanes) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_setzero_ps());
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_round16(v));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<at::BFloat16>(sum[i] + 0.f);
+}
+
+inline void store_sums(float* dst, const float* sum, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = sum[i] + 0.f;
+}
+
+// rows_of: each listed row's output row in y, the deltas added; nullptr: y holds the listed
+// rows in order (lora_deltas), the deltas stored.
 template <typename T>
 void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_out) {
   const int64_t rows = s.counts[t.adapter], at = s.first[t.adapter], size = s.part_sizes[t.part];
@@ -225,7 +251,9 @@ void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_ou
       T* dst = y + (rows_of ? rows_of[at + r0 + r] : at + r0 + r) * n_out + offset;
       for (int64_t b = 0; b < t.count; ++b) {
         const int64_t j = (t.block + b) * kLanes;
-        add_sums(dst + j, out + (r * t.count + b) * kLanes, std::min<int64_t>(kLanes, size - j));
+        const float* sum = out + (r * t.count + b) * kLanes;
+        const int64_t count = std::min<int64_t>(kLanes, size - j);
+        rows_of ? add_sums(dst + j, sum, count) : store_sums(dst + j, sum, count);
       }
     }
   }
