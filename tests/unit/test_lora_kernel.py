@@ -94,9 +94,12 @@ GROUPS = [[0, 3, 4, 9, 10], [1, 7], [2, 5, 6]]  # row 8: the base's
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("wide", [1, 16])
-def test_the_bits_of_the_two_skinny_linears_it_replaces(dtype: torch.dtype, wide: int) -> None:
+@pytest.mark.parametrize("rank", [16, 32])  # 32: A in two tasks, z scaled after both
+def test_the_bits_of_the_two_skinny_linears_it_replaces(
+    dtype: torch.dtype, wide: int, rank: int
+) -> None:
     x, y = _inputs(dtype, wide)
-    adapters = [_adapter(16, 1, 2.0, wide=wide), _adapter(8, 2, 0.75, 1, wide)]
+    adapters = [_adapter(rank, 1, 2.0, wide=wide), _adapter(8, 2, 0.75, 1, wide)]
     adapters.append(_adapter(4, 3, 1.5, wide=wide))
     got = _lora_add(y, x, GROUPS, adapters)
     assert torch.equal(got, _two_linears(y, x, GROUPS, adapters))
@@ -105,7 +108,7 @@ def test_the_bits_of_the_two_skinny_linears_it_replaces(dtype: torch.dtype, wide
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize(("rank", "wide"), [(16, 1), (5, 1), (16, 16)])
+@pytest.mark.parametrize(("rank", "wide"), [(16, 1), (5, 1), (16, 16), (32, 1), (32, 16)])
 def test_an_adapters_rows_get_the_same_bits_alone_and_mixed(
     dtype: torch.dtype, rank: int, wide: int
 ) -> None:

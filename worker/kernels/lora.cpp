@@ -281,20 +281,17 @@ inline void scale16(float* out, const float* sum, float scale, int64_t count) {
 
 // The rows' scaled z, from their A sums: z = T(T(sum) * T(scale)), then as words per part.
 template <typename T>
-void scale_z(Step<T>& s) {
+void scale_z(Step<T>& s, int64_t g) {
   using W = typename Words<T>::W;
   std::vector<T> part(s.z_steps * Words<T>::per);
-  for (size_t g = 0; g < s.counts.size(); ++g) {
-    if (!s.a(g).numel()) continue;
-    for (int64_t r = s.first[g]; r < s.first[g] + s.counts[g]; ++r)
-      for (int64_t i = 0; i < s.parts; ++i) {
-        std::fill(part.begin(), part.end(), static_cast<T>(0.f));
-        const float* sum = s.zf.data() + r * s.z_width + i * s.ranks[g];
-        for (int64_t j = 0; j < s.ranks[g]; j += kLanes)
-          scale16(part.data() + j, sum + j, s.scales[g], std::min<int64_t>(kLanes, s.ranks[g] - j));
-        std::memcpy(s.zs.data() + (i * s.total + r) * s.z_steps, part.data(), s.z_steps * sizeof(W));
-      }
-  }
+  for (int64_t r = s.first[g]; r < s.first[g] + s.counts[g]; ++r)
+    for (int64_t i = 0; i < s.parts; ++i) {
+      std::fill(part.begin(), part.end(), static_cast<T>(0.f));
+      const float* sum = s.zf.data() + r * s.z_width + i * s.ranks[g];
+      for (int64_t j = 0; j < s.ranks[g]; j += kLanes)
+        scale16(part.data() + j, sum + j, s.scales[g], std::min<int64_t>(kLanes, s.ranks[g] - j));
+      std::memcpy(s.zs.data() + (i * s.total + r) * s.z_steps, part.data(), s.z_steps * sizeof(W));
+    }
 }
 
 // Tasks for A (part -1) or for the parts' B: blocks of each adapter's weights, by three.
@@ -320,12 +317,22 @@ void run_all(Step<T>& s, T* y, const int64_t* rows_of, int64_t n_out) {
   const auto num_a = static_cast<int64_t>(a_tasks.size()), num_b = static_cast<int64_t>(b_tasks.size());
   const int64_t words = s.total * (s.in_steps * s.z_width + s.z_steps * n_out);
   const int threads = words < kParallelWords || at::in_parallel_region() ? 1 : at::get_num_threads();
+  // where each adapter's A is one task (rank <= 16 over three parts), it scales its own z:
+  // one wait between A and B a call, not two
+  bool whole = true;
+  for (const Task& t : a_tasks) whole = whole && t.block == 0 && t.count == s.a(t.adapter).size(0);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_a; ++t) run_a(s, a_tasks[t]);
+    for (int64_t t = 0; t < num_a; ++t) {
+      run_a(s, a_tasks[t]);
+      if (whole) scale_z(s, a_tasks[t].adapter);
+    }
+    if (!whole) {
 #pragma omp single
-    scale_z(s);
+      for (int64_t g = 0; g < static_cast<int64_t>(s.counts.size()); ++g)
+        if (s.counts[g] && s.a(g).numel()) scale_z(s, g);
+    }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_b; ++t) run_b(s, b_tasks[t], y, rows_of, n_out);
   }
