@@ -18,8 +18,9 @@ step on the base; and the resident memory per rank-16 adapter (process RSS befor
 four adapters are loaded and slotted, over four; with the bytes the store and the slots hold).
 
 With --probe, first: the LoRA part of one mixed decode step alone, in thread CPU time: every
-layer's canteen::lora_add calls (one per linear: 4 a layer) for the streams' rows over the
-four adapters, on random inputs of the step's shapes, the median of 50 steps.
+layer's canteen::lora_deltas calls (one per linear: 4 a layer; decode_layers' base linears
+then add them in their epilogue) for the streams' rows over the four adapters, on random
+inputs of the step's shapes, the median of 50 steps.
 
 Usage: python bench/lora.py [--rounds 3] [--streams 16] [--tokens 64] [--threads N] [--short]
 [--probe] (--short: 1 round, 4 streams, 8 tokens: a check that it runs, not a figure;
@@ -125,20 +126,21 @@ def probe(runner: ModelRunner, refs: list[AdapterRef], shape: BaseShape, streams
     assert lora is not None
     dtype = runner.lora.dtype
     gen = torch.Generator().manual_seed(0)
-    in_features, parts = shape.in_features.items(), shape.part_sizes.items()
-    xs = {k: torch.randn(streams, n, generator=gen).to(dtype) for k, n in in_features}
-    ys = {k: torch.randn(streams, sum(p), generator=gen).to(dtype) for k, p in parts}
+    parts = shape.part_sizes
+    xs = {k: torch.randn(streams, n, generator=gen).to(dtype) for k, n in shape.in_features.items()}
+    ranks, deltas = lora.slotted.ranks, torch.ops.canteen.lora_deltas
     times = []
     for _ in range(50):
         started = time.thread_time()
         for layer in range(shape.num_layers):
             for kind in FUSED:
-                lora.apply(layer, kind, xs[kind], ys[kind])
+                weights = lora.slotted.weights[layer][kind]
+                deltas(xs[kind], lora.rows, lora.counts, lora.scales, ranks, weights, parts[kind])
         times.append(time.thread_time() - started)
     calls = shape.num_layers * len(FUSED)
     print(
         f"probe: the adapters' share of a {streams}-row decode step over {len(refs)} adapters: "
-        f"{statistics.median(times) * 1e3:.2f} ms thread CPU ({calls} lora_add calls, "
+        f"{statistics.median(times) * 1e3:.2f} ms thread CPU ({calls} lora_deltas calls, "
         f"{len(FUSED)} a layer, Python dispatch included)"
     )
 

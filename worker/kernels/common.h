@@ -99,6 +99,9 @@ inline __m512 bf16_load16(const at::BFloat16* p) {
 //   gate      the linear's outputs are [gate | up] (n = 2 x inner, inner a multiple of 16),
 //             the kernel hands over the gate and up sums of the same 16 outputs together, and
 //             out [rows, inner] = silu(gate) * up as canteen::silu_mul computes it.
+// Either may take an addend first, on the rows that have one (a LoRA delta, lora.cpp): the
+// linear's own output becomes T(T(sum + bias) + addend) before the residual or the gate, the
+// bits of ``y += addend`` between the unfused linear and the op it feeds.
 template <typename T>
 struct Finish {
   T* out;
@@ -107,19 +110,28 @@ struct Finish {
   const T* residual;      // [rows, n], or nullptr
   int64_t inner = 0;      // gate: n / 2; 0: no gate
   int64_t vector_end = 0; // gate: the leading outputs whose exp torch computes vectorized
+  const T* const* addend = nullptr;  // per row: its n addends, or nullptr; nullptr: none
 
   static Finish gated(T* out, int64_t n, const float* bias) {
     return {out, n, bias, nullptr, n / 2, torch_vector_end<T>(n / 2)};
+  }
+
+  Finish with(const std::vector<const T*>& rows) const {
+    Finish f = *this;
+    f.addend = rows.empty() ? nullptr : rows.data();
+    return f;
   }
 
   // Row r's sums of outputs [j, j + 16) (fewer where n ends).
   void store(int64_t r, int64_t j, const float* s) const {
     T* o = out + r * n + j;
     const T* res = residual ? residual + r * n + j : nullptr;
+    const T* add = addend && addend[r] ? addend[r] + j : nullptr;
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (j + 16 <= n) {
         __m512 v = _mm512_add_ps(_mm512_loadu_ps(s), _mm512_loadu_ps(bias + j));
+        if (add) v = _mm512_add_ps(bf16_widen16(bf16_round16(v)), bf16_load16(add));
         if (res) v = _mm512_add_ps(bf16_load16(res), bf16_widen16(bf16_round16(v)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), bf16_round16(v));
         return;
@@ -127,7 +139,8 @@ struct Finish {
     }
 #endif
     for (int64_t i = 0; i < 16 && j + i < n; ++i) {
-      const T v = static_cast<T>(s[i] + bias[j + i]);
+      T v = static_cast<T>(s[i] + bias[j + i]);
+      if (add) v = static_cast<T>(static_cast<float>(v) + static_cast<float>(add[i]));
       o[i] = res ? static_cast<T>(static_cast<float>(res[i]) + static_cast<float>(v)) : v;
     }
   }
@@ -135,12 +148,16 @@ struct Finish {
   // Row r's gate sums ``g`` and up sums ``u`` of outputs [j, j + 16) of inner.
   void gate(int64_t r, int64_t j, const float* g, const float* u) const {
     T* o = out + r * inner + j;
+    const T* add = addend && addend[r] ? addend[r] + j : nullptr;  // its gate; + inner: its up
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       if (j + 16 <= vector_end) {
-        const __m512 gv = bf16_widen16(bf16_round16(_mm512_add_ps(_mm512_loadu_ps(g), _mm512_loadu_ps(bias + j))));
-        const __m512 uv =
-            bf16_widen16(bf16_round16(_mm512_add_ps(_mm512_loadu_ps(u), _mm512_loadu_ps(bias + inner + j))));
+        __m512 gv = bf16_widen16(bf16_round16(_mm512_add_ps(_mm512_loadu_ps(g), _mm512_loadu_ps(bias + j))));
+        __m512 uv = bf16_widen16(bf16_round16(_mm512_add_ps(_mm512_loadu_ps(u), _mm512_loadu_ps(bias + inner + j))));
+        if (add) {
+          gv = bf16_widen16(bf16_round16(_mm512_add_ps(gv, bf16_load16(add))));
+          uv = bf16_widen16(bf16_round16(_mm512_add_ps(uv, bf16_load16(add + inner))));
+        }
         const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         const __m512 act = bf16_widen16(bf16_round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e))));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), bf16_round16(_mm512_mul_ps(act, uv)));
@@ -153,6 +170,10 @@ struct Finish {
     for (int64_t i = 0; i < count; ++i) {
       gf[i] = static_cast<float>(static_cast<T>(g[i] + bias[j + i]));
       uf[i] = static_cast<float>(static_cast<T>(u[i] + bias[inner + j + i]));
+      if (add) {
+        gf[i] = static_cast<float>(static_cast<T>(gf[i] + static_cast<float>(add[i])));
+        uf[i] = static_cast<float>(static_cast<T>(uf[i] + static_cast<float>(add[inner + i])));
+      }
       e[i] = -gf[i];
     }
     if (j + 16 <= vector_end) {
@@ -194,14 +215,41 @@ inline const T* residual_rows(const c10::optional<at::Tensor>& residual, const a
   return residual->data_ptr<T>();
 }
 
+// A fused linear's addends as per-row pointers (empty without them): ``addend`` [R, n] in
+// x's dtype, row i added to output row ``rows``[i] (int64 [R], each row at most once).
+template <typename T = at::BFloat16>
+inline std::vector<const T*> addend_rows(const c10::optional<at::Tensor>& addend,
+                                         const c10::optional<at::Tensor>& rows, const at::Tensor& x,
+                                         int64_t n, const char* op) {
+  TORCH_CHECK(addend.has_value() == rows.has_value(), op, ": an addend and its rows, or neither");
+  if (!addend.has_value()) return {};
+  const int64_t count = addend->size(0);
+  TORCH_CHECK(addend->scalar_type() == x.scalar_type() && addend->is_contiguous() && addend->dim() == 2 &&
+                  addend->size(1) == n,
+              op, ": addend [R, N] contiguous in x's dtype");
+  TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->numel() == count, op,
+              ": addend_rows int64, one per addend row");
+  std::vector<const T*> out(x.size(0), nullptr);
+  const int64_t* r = rows->data_ptr<int64_t>();
+  const T* a = addend->data_ptr<T>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < x.size(0), op, ": addend row ", r[i], " outside x's ", x.size(0), " rows");
+    TORCH_CHECK(!out[r[i]], op, ": addend row ", r[i], " given twice");
+    out[r[i]] = a + i * n;
+  }
+  return out;
+}
+
 // dense_float.cpp: skinny_linear for float32 x (dense.cpp's op dispatches to it).
 at::Tensor skinny_linear_float(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
                                const c10::optional<at::Tensor>& bias,
-                               const c10::optional<at::Tensor>& residual, bool gate);
+                               const c10::optional<at::Tensor>& residual, bool gate,
+                               const std::vector<const float*>& addend);
 
 // lora.cpp: each adapter's LoRA delta added into y on its own rows (canteen::lora_add's
-// arguments, rows and scales as pointers).
+// arguments, rows and scales as pointers); ``packed``: into y's row i for listed row i.
 void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::IntArrayRef counts,
-                   const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts);
+                   const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts,
+                   bool packed = false);
 
 }  // namespace canteen

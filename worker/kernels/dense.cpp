@@ -328,13 +328,17 @@ void lanes_linear(const std::vector<uint32_t>& xp, int64_t rows, int64_t pairs, 
 
 // x [M, K] bfloat16 (any M) @ the weight [n, K]^T (+ bias), the weight in
 // pack_lanes' layout, finished plainly, onto ``residual`` [M, n], or through the SiLU gate
-// (``gate``: outputs [gate | up], half of them a multiple of 16; returns [M, n / 2]).
+// (``gate``: outputs [gate | up], half of them a multiple of 16; returns [M, n / 2]); with
+// ``addend`` [R, n] added first to rows ``addend_rows`` (common.h, Finish).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
                          const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual,
-                         bool gate) {
+                         bool gate, const c10::optional<at::Tensor>& addend,
+                         const c10::optional<at::Tensor>& addend_rows) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "skinny_linear: x bfloat16 or float32 [M, K]");
-  if (x.scalar_type() == at::kFloat) return canteen::skinny_linear_float(x, lanes, n, bias, residual, gate);
+  if (x.scalar_type() == at::kFloat)
+    return canteen::skinny_linear_float(x, lanes, n, bias, residual, gate,
+                                        canteen::addend_rows<float>(addend, addend_rows, x, n, "skinny_linear"));
   const int64_t rows = x.size(0), k = x.size(1), pairs = (k + 1) / 2, blocks = (n + kLanes - 1) / kLanes;
   TORCH_CHECK(lanes.scalar_type() == at::kBFloat16 &&
                   lanes.sizes() == at::IntArrayRef({blocks, pairs, kLanes, 2}),
@@ -342,8 +346,10 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
   const auto b = canteen::padded_bias(bias, n, blocks * kLanes, "skinny_linear");
   const auto res = canteen::residual_rows(residual, x, n, gate, "skinny_linear");
   auto out = at::empty({rows, gate ? n / 2 : n}, x.options());
-  const Finish fin = gate ? Finish::gated(out.data_ptr<at::BFloat16>(), n, b.data())
-                          : Finish{out.data_ptr<at::BFloat16>(), n, b.data(), res};
+  const auto added = canteen::addend_rows(addend, addend_rows, x, n, "skinny_linear");
+  const Finish fin = (gate ? Finish::gated(out.data_ptr<at::BFloat16>(), n, b.data())
+                           : Finish{out.data_ptr<at::BFloat16>(), n, b.data(), res})
+                         .with(added);
   if (rows == 0) return out;
   const auto xc = x.contiguous(), lc = lanes.contiguous();
 #if defined(CANTEEN_AMX)
@@ -362,7 +368,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t n
 TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def(
       "skinny_linear(Tensor x, Tensor lanes, int n, Tensor? bias, Tensor? residual=None, "
-      "bool gate=False) -> Tensor");
+      "bool gate=False, Tensor? addend=None, Tensor? addend_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("skinny_linear", &skinny_linear); }

@@ -172,7 +172,8 @@ void plain(const float* x, int64_t rows, int64_t k, const float* w, int64_t bloc
 
 at::Tensor skinny_linear_float(const at::Tensor& x, const at::Tensor& lanes, int64_t n,
                                const c10::optional<at::Tensor>& bias,
-                               const c10::optional<at::Tensor>& residual, bool gate) {
+                               const c10::optional<at::Tensor>& residual, bool gate,
+                               const std::vector<const float*>& addend) {
   const int64_t rows = x.size(0), k = x.size(1), blocks = (n + kLanes - 1) / kLanes;
   TORCH_CHECK(lanes.scalar_type() == at::kFloat &&
                   lanes.sizes() == at::IntArrayRef({blocks, k, kLanes, 1}),
@@ -181,8 +182,9 @@ at::Tensor skinny_linear_float(const at::Tensor& x, const at::Tensor& lanes, int
   const auto res = residual_rows<float>(residual, x, n, gate, "skinny_linear");
   auto out = at::empty({rows, gate ? n / 2 : n}, x.options());
   if (rows == 0) return out;
-  const FloatFinish fin = gate ? FloatFinish::gated(out.data_ptr<float>(), n, b.data())
-                          : FloatFinish{out.data_ptr<float>(), n, b.data(), res};
+  const FloatFinish fin = (gate ? FloatFinish::gated(out.data_ptr<float>(), n, b.data())
+                                : FloatFinish{out.data_ptr<float>(), n, b.data(), res})
+                              .with(addend);
   const auto xc = x.contiguous(), lc = lanes.contiguous();
   (gate ? gated : plain)(xc.data_ptr<float>(), rows, k, lc.data_ptr<float>(), blocks, fin);
   return out;

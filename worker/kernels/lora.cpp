@@ -42,6 +42,9 @@ constexpr int kTileRows = 8;   // rows of one register tile
 // Below this many weight words a call's rows meet, one thread: a fork and join costs more.
 constexpr int64_t kParallelWords = 1 << 16;
 constexpr int kMostBlocks = 3; // blocks of 16 outputs a tile takes at once (24 sums: 8 rows x 3)
+// Lanes (64 bytes each) each weight stream is fetched ahead: a step's few rows do too little
+// work per lane for the hardware prefetcher alone to keep the loads from waiting on memory.
+constexpr int64_t kAhead = 64;
 
 // How a lane holds x's values: a pair of bfloat16 in 32 bits, or one float32.
 template <typename T>
@@ -69,8 +72,10 @@ void sums(const typename Words<T>::W* x, int64_t stride, int64_t steps, const ty
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_ps();
     for (int64_t p = 0; p < steps; ++p) {
       __m512bh wv[Blocks];
-      for (int b = 0; b < Blocks; ++b)
+      for (int b = 0; b < Blocks; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * block + (p + kAhead) * kLanes), _MM_HINT_T0);
         wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + b * block + p * kLanes));
+      }
       for (int r = 0; r < Rows; ++r) {
         const auto xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(x[r * stride + p])));
         for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
@@ -99,7 +104,10 @@ void sums(const typename Words<T>::W* x, int64_t stride, int64_t steps, const ty
       for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_setzero_ps();
     for (int64_t k = 0; k < steps; ++k) {
       __m512 wv[Blocks];
-      for (int b = 0; b < Blocks; ++b) wv[b] = _mm512_loadu_ps(w + b * block + k * kLanes);
+      for (int b = 0; b < Blocks; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * block + (k + kAhead) * kLanes), _MM_HINT_T0);
+        wv[b] = _mm512_loadu_ps(w + b * block + k * kLanes);
+      }
       for (int r = 0; r < Rows; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * stride + k]);
         for (int b = 0; b < Blocks; ++b) acc[r][b] = _mm512_fmadd_ps(xv, wv[b], acc[r][b]);
@@ -209,6 +217,25 @@ inline void add_sums(float* dst, const float* sum, int64_t count) {
   for (int64_t i = 0; i < count; ++i) dst[i] = dst[i] + (sum[i] + 0.f);
 }
 
+// dst[i] = T(sum[i] + 0), i < count <= 16: T(-0.0 + T(sum)), add_sums' bits onto lora_deltas'
+// -0.0 (x + -0.0 is x, and sum + 0 is never -0.0), without reading dst.
+inline void store_sums(at::BFloat16* dst, const float* sum, int64_t count) {
+#if defined(__AVX512BF16__)
+  if (count == kLanes) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sum), _mm512_setzero_ps());
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), bf16_round16(v));
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<at::BFloat16>(sum[i] + 0.f);
+}
+
+inline void store_sums(float* dst, const float* sum, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) dst[i] = sum[i] + 0.f;
+}
+
+// rows_of: each listed row's output row in y, the deltas added; nullptr: y holds the listed
+// rows in order (lora_deltas), the deltas stored.
 template <typename T>
 void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_out) {
   const int64_t rows = s.counts[t.adapter], at = s.first[t.adapter], size = s.part_sizes[t.part];
@@ -221,10 +248,12 @@ void run_b(Step<T>& s, const Task& t, T* y, const int64_t* rows_of, int64_t n_ou
     const auto* z = s.zs.data() + (t.part * s.total + at + r0) * s.z_steps;
     tile_sums<T>(z, n, s.z_steps, steps, w, steps * kLanes, static_cast<int>(t.count), out);
     for (int64_t r = 0; r < n; ++r) {
-      T* dst = y + rows_of[at + r0 + r] * n_out + offset;
+      T* dst = y + (rows_of ? rows_of[at + r0 + r] : at + r0 + r) * n_out + offset;
       for (int64_t b = 0; b < t.count; ++b) {
         const int64_t j = (t.block + b) * kLanes;
-        add_sums(dst + j, out + (r * t.count + b) * kLanes, std::min<int64_t>(kLanes, size - j));
+        const float* sum = out + (r * t.count + b) * kLanes;
+        const int64_t count = std::min<int64_t>(kLanes, size - j);
+        rows_of ? add_sums(dst + j, sum, count) : store_sums(dst + j, sum, count);
       }
     }
   }
@@ -252,20 +281,17 @@ inline void scale16(float* out, const float* sum, float scale, int64_t count) {
 
 // The rows' scaled z, from their A sums: z = T(T(sum) * T(scale)), then as words per part.
 template <typename T>
-void scale_z(Step<T>& s) {
+void scale_z(Step<T>& s, int64_t g) {
   using W = typename Words<T>::W;
   std::vector<T> part(s.z_steps * Words<T>::per);
-  for (size_t g = 0; g < s.counts.size(); ++g) {
-    if (!s.a(g).numel()) continue;
-    for (int64_t r = s.first[g]; r < s.first[g] + s.counts[g]; ++r)
-      for (int64_t i = 0; i < s.parts; ++i) {
-        std::fill(part.begin(), part.end(), static_cast<T>(0.f));
-        const float* sum = s.zf.data() + r * s.z_width + i * s.ranks[g];
-        for (int64_t j = 0; j < s.ranks[g]; j += kLanes)
-          scale16(part.data() + j, sum + j, s.scales[g], std::min<int64_t>(kLanes, s.ranks[g] - j));
-        std::memcpy(s.zs.data() + (i * s.total + r) * s.z_steps, part.data(), s.z_steps * sizeof(W));
-      }
-  }
+  for (int64_t r = s.first[g]; r < s.first[g] + s.counts[g]; ++r)
+    for (int64_t i = 0; i < s.parts; ++i) {
+      std::fill(part.begin(), part.end(), static_cast<T>(0.f));
+      const float* sum = s.zf.data() + r * s.z_width + i * s.ranks[g];
+      for (int64_t j = 0; j < s.ranks[g]; j += kLanes)
+        scale16(part.data() + j, sum + j, s.scales[g], std::min<int64_t>(kLanes, s.ranks[g] - j));
+      std::memcpy(s.zs.data() + (i * s.total + r) * s.z_steps, part.data(), s.z_steps * sizeof(W));
+    }
 }
 
 // Tasks for A (part -1) or for the parts' B: blocks of each adapter's weights, by three.
@@ -291,12 +317,22 @@ void run_all(Step<T>& s, T* y, const int64_t* rows_of, int64_t n_out) {
   const auto num_a = static_cast<int64_t>(a_tasks.size()), num_b = static_cast<int64_t>(b_tasks.size());
   const int64_t words = s.total * (s.in_steps * s.z_width + s.z_steps * n_out);
   const int threads = words < kParallelWords || at::in_parallel_region() ? 1 : at::get_num_threads();
+  // where each adapter's A is one task (rank <= 16 over three parts), it scales its own z:
+  // one wait between A and B a call, not two
+  bool whole = true;
+  for (const Task& t : a_tasks) whole = whole && t.block == 0 && t.count == s.a(t.adapter).size(0);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < num_a; ++t) run_a(s, a_tasks[t]);
+    for (int64_t t = 0; t < num_a; ++t) {
+      run_a(s, a_tasks[t]);
+      if (whole) scale_z(s, a_tasks[t].adapter);
+    }
+    if (!whole) {
 #pragma omp single
-    scale_z(s);
+      for (int64_t g = 0; g < static_cast<int64_t>(s.counts.size()); ++g)
+        if (s.counts[g] && s.a(g).numel()) scale_z(s, g);
+    }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < num_b; ++t) run_b(s, b_tasks[t], y, rows_of, n_out);
   }
@@ -304,7 +340,8 @@ void run_all(Step<T>& s, T* y, const int64_t* rows_of, int64_t n_out) {
 
 template <typename T>
 void add_deltas(at::Tensor& y, const at::Tensor& x, const int64_t* rows_of, at::IntArrayRef counts,
-                const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts) {
+                const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts,
+                bool packed) {
   using W = typename Words<T>::W;
   constexpr int64_t per = Words<T>::per;
   Step<T> s{weights, static_cast<int64_t>(parts.size()), parts.data()};
@@ -332,21 +369,21 @@ void add_deltas(at::Tensor& y, const at::Tensor& x, const int64_t* rows_of, at::
   for (int64_t r = 0; r < total; ++r) std::memcpy(s.xs.data() + r * s.in_steps, xp + rows_of[r] * k, k * sizeof(T));
   s.zf.assign(total * s.z_width, 0.f);
   s.zs.assign(s.parts * total * s.z_steps, W{});
-  run_all(s, y.data_ptr<T>(), rows_of, y.size(1));
+  run_all(s, y.data_ptr<T>(), packed ? nullptr : rows_of, y.size(1));
 }
 
 }  // namespace
 
 void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::IntArrayRef counts,
-                   const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts) {
-  int64_t sum = 0;
+                   const double* scales, at::IntArrayRef ranks, const at::Tensor* weights, at::IntArrayRef parts,
+                   bool packed) {
+  int64_t sum = 0, total = 0;
   for (const int64_t p : parts) sum += p;
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0) && x.is_contiguous() && y.is_contiguous() &&
-                  x.scalar_type() == y.scalar_type() && y.size(1) == sum,
-              "lora_add: x [T, in] and y [T, sum(parts)], contiguous, one dtype");
-  TORCH_CHECK(counts.size() == ranks.size(), "lora_add: one count and one rank per adapter");
-  int64_t total = 0;
   for (const int64_t c : counts) total += c;
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && (packed ? y.size(0) == total : x.size(0) == y.size(0)) &&
+                  x.is_contiguous() && y.is_contiguous() && x.scalar_type() == y.scalar_type() && y.size(1) == sum,
+              "lora_add: x [T, in] and y [T, sum(parts)] ([rows, sum(parts)] packed), contiguous, one dtype");
+  TORCH_CHECK(counts.size() == ranks.size(), "lora_add: one count and one rank per adapter");
   for (int64_t r = 0; r < total; ++r)
     TORCH_CHECK(rows[r] >= 0 && rows[r] < x.size(0), "lora_add: row ", rows[r], " outside x's ", x.size(0), " rows");
   const int64_t per = x.scalar_type() == at::kBFloat16 ? 2 : 1;
@@ -365,9 +402,9 @@ void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::
     }
   }
   if (x.scalar_type() == at::kBFloat16)
-    add_deltas<at::BFloat16>(y, x, rows, counts, scales, ranks, weights, parts);
+    add_deltas<at::BFloat16>(y, x, rows, counts, scales, ranks, weights, parts, packed);
   else if (x.scalar_type() == at::kFloat)
-    add_deltas<float>(y, x, rows, counts, scales, ranks, weights, parts);
+    add_deltas<float>(y, x, rows, counts, scales, ranks, weights, parts, packed);
   else
     TORCH_CHECK(false, "lora_add: x bfloat16 or float32");
 }
@@ -375,7 +412,8 @@ void lora_add_into(at::Tensor& y, const at::Tensor& x, const int64_t* rows, at::
 namespace {
 
 void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef counts,
-              const at::Tensor& scales, at::IntArrayRef ranks, at::TensorList weights, at::IntArrayRef parts) {
+              const at::Tensor& scales, at::IntArrayRef ranks, at::TensorList weights, at::IntArrayRef parts,
+              bool packed = false) {
   int64_t total = 0;
   for (const int64_t c : counts) total += c;
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == total,
@@ -384,7 +422,20 @@ void lora_add(at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::In
               "lora_add: scales float64, one per adapter");
   TORCH_CHECK(weights.size() == counts.size() * (1 + parts.size()), "lora_add: A and each part's B per adapter");
   const auto sc = scales.contiguous();
-  lora_add_into(y, x, rows.data_ptr<int64_t>(), counts, sc.data_ptr<double>(), ranks, weights.data(), parts);
+  lora_add_into(y, x, rows.data_ptr<int64_t>(), counts, sc.data_ptr<double>(), ranks, weights.data(), parts,
+                packed);
+}
+
+// The deltas alone, [rows, sum(parts)], listed row after listed row: T(delta), and -0.0
+// (an exact no-op addend) where an adapter lacks a part. The addend a fused linear takes
+// (skinny_linear's and quant_linear's ``addend``, with ``rows`` as ``addend_rows``).
+at::Tensor lora_deltas(const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef counts, const at::Tensor& scales,
+                       at::IntArrayRef ranks, at::TensorList weights, at::IntArrayRef parts) {
+  int64_t sum = 0;
+  for (const int64_t p : parts) sum += p;
+  auto d = at::full({rows.numel(), sum}, -0.0, x.options());
+  lora_add(d, x, rows, counts, scales, ranks, weights, parts, true);
+  return d;
 }
 
 }  // namespace
@@ -394,6 +445,14 @@ TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def(
       "lora_add(Tensor(a!) y, Tensor x, Tensor rows, int[] counts, Tensor scales, int[] ranks, "
       "Tensor[] weights, int[] parts) -> ()");
+  m.def(
+      "lora_deltas(Tensor x, Tensor rows, int[] counts, Tensor scales, int[] ranks, Tensor[] weights, "
+      "int[] parts) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("lora_add", &canteen::lora_add); }
+TORCH_LIBRARY_IMPL(canteen, CPU, m) {
+  m.impl("lora_add", [](at::Tensor& y, const at::Tensor& x, const at::Tensor& rows, at::IntArrayRef counts,
+                        const at::Tensor& scales, at::IntArrayRef ranks, at::TensorList weights,
+                        at::IntArrayRef parts) { canteen::lora_add(y, x, rows, counts, scales, ranks, weights, parts); });
+  m.impl("lora_deltas", &canteen::lora_deltas);
+}

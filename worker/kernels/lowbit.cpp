@@ -286,11 +286,13 @@ void quant_blocks(const Packed& pk, const XRows& x, int64_t rows, const canteen:
 
 // x [M, K] @ the weight [N, K]^T (+ bias): packed [ceil(N / 16), K / 32, 256 or 512]
 // uint8 (4 or 8 bits), scales [ceil(N / 16), K / 32, 2, 16] float16; finished plainly, onto
-// ``residual`` [M, N], or through the SiLU gate (common.h, Finish). x is read in bfloat16 (a
+// ``residual`` [M, N], or through the SiLU gate (common.h, Finish), with ``addend`` [R, N]
+// added first to rows ``addend_rows``. x is read in bfloat16 (a
 // float32 or float16 x is rounded to it first) and the result is in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                         int64_t n, const c10::optional<at::Tensor>& bias,
-                        const c10::optional<at::Tensor>& residual, bool gate) {
+                        const c10::optional<at::Tensor>& residual, bool gate,
+                        const c10::optional<at::Tensor>& addend, const c10::optional<at::Tensor>& addend_rows) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x [M, K]");
   const int64_t rows = x.size(0), k = x.size(1), blocks = (n + kBlock - 1) / kBlock;
   TORCH_CHECK(k % kGroup == 0, "quant_linear: K a multiple of 32");
@@ -310,8 +312,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_linear_out", [&] {
     using T = scalar_t;
     const T* res = canteen::residual_rows<T>(residual, x, n, gate, "quant_linear");
-    const auto fin = gate ? canteen::Finish<T>::gated(out.data_ptr<T>(), n, b.data())
-                          : canteen::Finish<T>{out.data_ptr<T>(), n, b.data(), res};
+    const auto added = canteen::addend_rows<T>(addend, addend_rows, x, n, "quant_linear");
+    const auto fin = (gate ? canteen::Finish<T>::gated(out.data_ptr<T>(), n, b.data())
+                           : canteen::Finish<T>{out.data_ptr<T>(), n, b.data(), res})
+                         .with(added);
     if (rows > 0) quant_blocks<T>(pk, xr, rows, fin);
   });
   return out;
@@ -327,7 +331,7 @@ TORCH_LIBRARY_FRAGMENT(canteen, m) {
   m.def("quant_vectorized() -> bool", &quant_vectorized);
   m.def(
       "quant_linear(Tensor x, Tensor packed, Tensor scales, int n, Tensor? bias, "
-      "Tensor? residual=None, bool gate=False) -> Tensor");
+      "Tensor? residual=None, bool gate=False, Tensor? addend=None, Tensor? addend_rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(canteen, CPU, m) { m.impl("quant_linear", &quant_linear); }

@@ -22,14 +22,17 @@
 // adapter after adapter) and the adapters' scales (float64), then per layer, per linear, per
 // adapter: A's lanes and each part's B lanes (empty where the adapter lacks them);
 // ``lora_sizes`` holds the rows and rank per adapter, then the linears' part sizes (q, k, v;
-// o; gate, up; down). A linear an adapter targets runs unfused (no residual or gate inside
-// it), then canteen::lora_add's deltas (lora.cpp) on it in place, then the residual add or
-// SiLU gate as torch ops: StepLora.apply's ops, so the Python layer path's bits.
+// o; gate, up; down). For a linear an adapter targets, lora.cpp computes the adapters'
+// deltas on their rows first, and the linear adds them to its own outputs before its residual
+// add or SiLU gate (common.h, Finish's addend): the bits of StepLora.apply's in-place add
+// between the unfused linear and the add or silu_mul (the Python layer path), with every
+// linear still fused and no extra pass over the step's rows.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -45,10 +48,10 @@ c10::optional<at::Tensor> given(const at::Tensor& t) {
 struct Ops {
   using Opt = c10::optional<at::Tensor>;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Opt&,
-                                      const Opt&, bool)>
+                                      const Opt&, bool, const Opt&, const Opt&)>
       skinny;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      int64_t, const Opt&, const Opt&, bool)>
+                                      int64_t, const Opt&, const Opt&, bool, const Opt&, const Opt&)>
       quant;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> norm;
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&,
@@ -70,10 +73,10 @@ struct Ops {
       return Ops{
           find("canteen::skinny_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const Opt&,
-                                const Opt&, bool)>(),
+                                const Opt&, bool, const Opt&, const Opt&)>(),
           find("canteen::quant_linear")
               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                const Opt&, const Opt&, bool)>(),
+                                const Opt&, const Opt&, bool, const Opt&, const Opt&)>(),
           find("canteen::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>(),
           find("canteen::rotary")
               .typed<at::Tensor(const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&)>(),
@@ -89,11 +92,12 @@ struct Ops {
     return ops;
   }
 
-  // The linear of (a, b, bias) at ``w``, finished onto ``residual`` or through the SiLU gate.
+  // The linear of (a, b, bias) at ``w``, the addend (LoRA deltas and their rows) added to its
+  // outputs first, finished onto ``residual`` or through the SiLU gate.
   at::Tensor linear(const at::Tensor& x, const at::Tensor* w, int64_t n, const Opt& residual = {},
-                    bool gate = false) const {
-    return w[1].numel() == 0 ? skinny.call(x, w[0], n, given(w[2]), residual, gate)
-                             : quant.call(x, w[0], w[1], n, given(w[2]), residual, gate);
+                    bool gate = false, const std::pair<Opt, Opt>& add = {}) const {
+    return w[1].numel() == 0 ? skinny.call(x, w[0], n, given(w[2]), residual, gate, add.first, add.second)
+                             : quant.call(x, w[0], w[1], n, given(w[2]), residual, gate, add.first, add.second);
   }
 };
 
@@ -121,12 +125,17 @@ struct Lora {
       if (w[g * (1 + kParts[linear])].numel()) return true;
     return false;
   }
-  // y (the base linear of x) plus each adapter's delta on its own rows, in place.
-  at::Tensor add(at::Tensor y, const at::Tensor& x, int64_t layer, int64_t linear) const {
-    canteen::lora_add_into(y, x, list[0].data_ptr<int64_t>(), sizes.slice(0, adapters),
-                           list[1].data_ptr<double>(), sizes.slice(adapters, adapters),
-                           weights(layer, linear), parts(linear));
-    return y;
+  // The adapters' deltas of the linear of x and their rows (the linear's addend), or none
+  // where no adapter targets it.
+  std::pair<c10::optional<at::Tensor>, c10::optional<at::Tensor>> addend(const at::Tensor& x, int64_t layer,
+                                                                         int64_t linear) const {
+    if (!targets(layer, linear)) return {};
+    int64_t out = 0;
+    for (const int64_t p : parts(linear)) out += p;
+    auto d = at::full({list[0].numel(), out}, -0.0, x.options());  // -0.0: an exact no-op
+    canteen::lora_add_into(d, x, list[0].data_ptr<int64_t>(), sizes.slice(0, adapters), list[1].data_ptr<double>(),
+                           sizes.slice(adapters, adapters), weights(layer, linear), parts(linear), true);
+    return {d, list[0]};
   }
 };
 
@@ -159,8 +168,7 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
     const int64_t* n = sizes.data() + layer * kLinears;
     const auto pool = kv_pool.select(0, layer).view({2, kv_heads, -1, dim});
     const auto normed_in = ops.norm.call(x, w[0], eps);
-    auto qkv = ops.linear(normed_in, w + 2, n[0]);
-    if (lora.targets(layer, 0)) qkv = lora.add(qkv, normed_in, layer, 0);
+    auto qkv = ops.linear(normed_in, w + 2, n[0], {}, false, lora.addend(normed_in, layer, 0));
     qkv = qkv.view({tokens, -1, dim});
     auto pool_layer = pool;  // rotary_kv writes the keys and values through it
     const auto q = ops.rotary_kv.call(qkv, heads, kv_heads, cos, sin, pool_layer, slot_mapping);
@@ -168,23 +176,16 @@ at::Tensor decode_layers(const at::Tensor& x_in, const at::Tensor& kv_pool, at::
     for (size_t g = 0; g < groups.size(); g += 4)
       ops.attend.call(attended, q, pool, groups[g], groups[g + 1], groups[g + 2], scale, given(groups[g + 3]));
     // the residual adds and the SiLU gate finish inside the linears where they can (common.h)
-    if (lora.targets(layer, 1)) {
-      const auto out = lora.add(ops.linear(attended, w + 5, n[1]), attended, layer, 1);
-      x = residual == 1.0 ? x + out : x + out * residual;
-    } else {
-      x = residual == 1.0 ? ops.linear(attended, w + 5, n[1], x) : x + ops.linear(attended, w + 5, n[1]) * residual;
-    }
+    const auto o_add = lora.addend(attended, layer, 1);
+    x = residual == 1.0 ? ops.linear(attended, w + 5, n[1], x, false, o_add)
+                        : x + ops.linear(attended, w + 5, n[1], {}, false, o_add) * residual;
     const auto normed = ops.norm.call(x, w[1], eps);
-    const auto act = lora.targets(layer, 2)
-                         ? ops.silu_mul.call(lora.add(ops.linear(normed, w + 8, n[2]), normed, layer, 2))
-                     : n[2] % 32 == 0 ? ops.linear(normed, w + 8, n[2], {}, true)
-                                      : ops.silu_mul.call(ops.linear(normed, w + 8, n[2]));
-    if (lora.targets(layer, 3)) {
-      const auto out = lora.add(ops.linear(act, w + 11, n[3]), act, layer, 3);
-      x = residual == 1.0 ? x + out : x + out * residual;
-    } else {
-      x = residual == 1.0 ? ops.linear(act, w + 11, n[3], x) : x + ops.linear(act, w + 11, n[3]) * residual;
-    }
+    const auto up_add = lora.addend(normed, layer, 2);
+    const auto act = n[2] % 32 == 0 ? ops.linear(normed, w + 8, n[2], {}, true, up_add)
+                                    : ops.silu_mul.call(ops.linear(normed, w + 8, n[2], {}, false, up_add));
+    const auto down_add = lora.addend(act, layer, 3);
+    x = residual == 1.0 ? ops.linear(act, w + 11, n[3], x, false, down_add)
+                        : x + ops.linear(act, w + 11, n[3], {}, false, down_add) * residual;
   }
   return x;
 }
