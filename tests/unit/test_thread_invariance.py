@@ -32,6 +32,7 @@ def _restore_threads() -> Iterator[None]:
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+    torch.ops.canteen.set_step_helpers(0)
 
 
 def _on(threads: int, fn, *args):  # type: ignore[no-untyped-def]
@@ -55,6 +56,27 @@ def test_quant_linear_gives_the_same_bits_on_one_thread_and_on_many(bits: int, r
         args = (x, packed.weights, packed.scales, n, None, None, gate)
         one, many = _on(1, ops.quant_linear, *args), _on(MANY, ops.quant_linear, *args)
         assert torch.equal(one, many), (rows, gate)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quant_linear_shared_with_the_step_helper_gives_the_same_bits(bits: int) -> None:
+    """A narrow step's linears on one thread and the helper (worker/kernels/share.h), which
+    claims chunks whenever it is awake: call after call, the bits of one thread alone."""
+    n, k = 3072, 576
+    q, d, m = _weights(n, k, bits, seed=bits)
+    packed = pack_groups(q, d, m, bits)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(bits)).bfloat16()
+    ops = torch.ops.canteen
+    torch.set_num_threads(1)
+    calls = [(x[:rows], packed.weights, packed.scales, n, None, None, gate)
+             for rows in (1, 2, 3) for gate in (False, True)]  # fmt: skip
+    alone = [ops.quant_linear(*args) for args in calls]
+    ops.set_step_helpers(1)
+    for _ in range(40):  # the helper wakes, spins between calls, sleeps, wakes again
+        for args, expected in zip(calls, alone, strict=True):
+            assert torch.equal(ops.quant_linear(*args), expected)
+    with pytest.raises(RuntimeError, match="set_step_helpers: 0 or 1 helper, got 2"):
+        ops.set_step_helpers(2)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 32])
