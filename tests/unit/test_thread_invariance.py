@@ -14,11 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from canteen.config import parse_config
 from tests.support.mixes import run_mix
 from tests.support.tiny_model import build_tiny_model
 from tests.unit.test_batch_invariance import BLOCK, FORMATS, _wide_mix
 from tests.unit.test_lowbit import _weights
 from worker import kernels
+from worker.config import WorkerConfig
 from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.engine.threads import StepThreads
 from worker.model.loader import choose_dtype, load_model
@@ -124,3 +126,13 @@ def test_narrow_steps_run_on_one_thread_and_wider_ones_on_all() -> None:
     assert StepThreads(narrow_rows=0, num_threads=3).apply(1) == 3
     with pytest.raises(ValueError, match="narrow_rows must be >= 0, got -1"):
         StepThreads(narrow_rows=-1)
+
+
+def test_the_worker_runs_one_row_steps_on_one_thread_by_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_config(WorkerConfig, [], env={}).narrow_step_rows == 1
+    assert parse_config(WorkerConfig, ["--narrow-step-rows", "0"], env={}).narrow_step_rows == 0
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--narrow-step-rows", "-1"], env={})
+    assert "narrow_step_rows=-1: must be >= 0" in capsys.readouterr().err
