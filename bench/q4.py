@@ -31,8 +31,15 @@ CPU ms (medians of 6 passes, alternating; the load of a shared host counts less 
 time).
 
 Usage: python bench/q4.py [--streams 1,16,32] [--tokens 64] [--rounds 3] [--short] [--engine]
-                          [--linears] [--json out]
+                          [--linears] [--json out] [--variant "WORKER FLAGS"]
+                          [--sides default,bfloat16,llama.cpp] [--llama-server PATH]
   --short: streams 1,16, 16 tokens, one round (a smoke run of a few minutes)
+  --variant: a third suite, "variant", the default's worker with these flags added (an A/B
+             of a worker setting in the same rounds, e.g. --variant "--one-thread-rows 0");
+             its ratio to the default is reported as variant_over_default
+  --sides: which columns run (default, bfloat16, variant, llama.cpp), in this order
+  --llama-server: the llama-server binary (else $LLAMA_SERVER, .venv/bin, PATH), e.g. a
+             worktree's bench pointing at the main checkout's build
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import argparse
 import contextlib
 import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -62,8 +70,15 @@ WORKER = ("--kv-cache-memory", "1GiB")
 
 
 @contextlib.contextmanager
-def llama_side(path: Path, widths: list[int], report: dict[str, Any]) -> Iterator[str | None]:
-    """llama-server's URL for the bench's widths, or None when the binary is not built."""
+def llama_side(
+    path: Path, widths: list[int], report: dict[str, Any], wanted: bool = True
+) -> Iterator[str | None]:
+    """llama-server's URL for the bench's widths, or None when the binary is not built (or
+    --sides leaves it out)."""
+    if not wanted:
+        report["llama_cpp"] = "not run (--sides)"
+        yield None
+        return
     if find_binary() is None:
         report["llama_cpp"] = "not built (scripts/build_llama_server.sh)"
         yield None
@@ -88,32 +103,36 @@ def prompt_ids(path: Path, text: str) -> list[int]:
     return list(tok(rendered, add_special_tokens=False)["input_ids"])
 
 
-def engine_rates(path: Path, widths: list[int], tokens: int, rounds: int) -> dict[Any, list[float]]:
+def engine_rates(
+    path: Path, widths: list[int], tokens: int, rounds: int, llama: bool = True
+) -> dict[Any, list[float]]:
     """Tokens per second (and median decode step, ms) per (side, streams), in-process."""
     import torch
 
     from worker.engine.runner import ModelRunner, RunnerConfig
+    from worker.engine.threads import NARROW_STEP_ROWS
     from worker.model.loader import choose_dtype, choose_quantization, load_model
 
     cpu, runners = torch.device("cpu"), {}
     for name, extra in SIDES.items():
-        requested = extra[1] if extra else "auto"
+        requested = extra[1] if name == "bfloat16" else "auto"
         quantization, why = choose_quantization(requested, str(path), "gguf", cpu)
         dtype, _ = choose_dtype("auto", cpu, quantization)
         print(f"{name}: {dtype} {quantization} ({why})", flush=True)
         loaded = load_model(str(path), "gguf", "", cpu, dtype, False, quantization=quantization)
         blocks = max(widths) * -(-(200 + tokens) // BLOCK)
-        runners[name] = ModelRunner(loaded, RunnerConfig(blocks, BLOCK, 2048))
+        shape = RunnerConfig(blocks, BLOCK, 2048, narrow_step_rows=NARROW_STEP_ROWS)
+        runners[name] = ModelRunner(loaded, shape)  # the worker's thread rule
         engine_run(runners[name], [prompt_ids(path, "warm up")], 4)
     rates: dict[Any, list[float]] = {}
-    with llama_side(path, widths, {}) as llama:
-        order = list(SIDES) + (["llama.cpp"] if llama else [])
+    with llama_side(path, widths, {}, llama) as url:
+        order = list(SIDES) + (["llama.cpp"] if url else [])
         for r in range(rounds):
             for n in widths:
                 prompts = [prompt_ids(path, t) for t in questions(n, f"round {r}")]
                 for name in order if r % 2 == 0 else order[::-1]:
-                    if name == "llama.cpp":
-                        rates.setdefault((name, n), []).append(llama_run(llama, prompts, tokens))
+                    if name == "llama.cpp" and url:
+                        rates.setdefault((name, n), []).append(llama_run(url, prompts, tokens))
                         continue
                     rate, step_ms = engine_run(runners[name], prompts, tokens)
                     rates.setdefault((name, n), []).append(rate)
@@ -179,7 +198,18 @@ def main() -> None:
     parser.add_argument("--engine", action="store_true")
     parser.add_argument("--linears", action="store_true")
     parser.add_argument("--json", default="")
+    parser.add_argument("--variant", default="")
+    parser.add_argument("--sides", default="")
+    parser.add_argument("--llama-server", default="")
     args = parser.parse_args()
+    if args.llama_server:
+        os.environ["LLAMA_SERVER"] = args.llama_server
+    if args.variant:
+        SIDES["variant"] = tuple(args.variant.split())
+    chosen = args.sides.split(",") if args.sides else [*SIDES, "llama.cpp"]
+    for name in [n for n in SIDES if n not in chosen]:
+        del SIDES[name]
+    args.llama = "llama.cpp" in chosen
     if args.short:
         args.streams, args.tokens, args.rounds = "1,16", 16, 1
     path = default_model_path()
@@ -192,7 +222,7 @@ def main() -> None:
     report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model()}
     if args.engine:
         report["side"] = "engine in-process"
-        rates = engine_rates(path, widths, args.tokens, args.rounds)
+        rates = engine_rates(path, widths, args.tokens, args.rounds, args.llama)
     else:
         report["side"] = "suite over gRPC"
         rates = suite_rates(path, widths, args, report)
@@ -200,8 +230,11 @@ def main() -> None:
     for n in widths:
         med = {name: statistics.median(v) for (name, w), v in rates.items() if w == n}
         row: dict[str, Any] = {"streams": n, **{k: round(v, 1) for k, v in med.items()}}
-        row["default_over_bfloat16"] = round(med["default"] / med["bfloat16"], 2)
-        if "llama.cpp" in med:
+        for other in ("bfloat16", "variant"):
+            if other in med and "default" in med:
+                a, b = ("variant", "default") if other == "variant" else ("default", other)
+                row[f"{a}_over_{b}"] = round(med[a] / med[b], 2)
+        if "llama.cpp" in med and "default" in med:
             row["default_over_llama_cpp"] = round(med["default"] / med["llama.cpp"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -227,7 +260,7 @@ def suite_rates(
             print(f"{name}: {info.dtype} {info.quantization} ({info.dtype_reason})", flush=True)
             addresses[name] = stack.gateway.address
             client.run(stack.gateway.address, questions(2, f"warm {name}"), 4)
-        llama = stacks.enter_context(llama_side(path, widths, report))
+        llama = stacks.enter_context(llama_side(path, widths, report, args.llama))
         order = list(SIDES) + (["llama.cpp"] if llama else [])
         for r in range(args.rounds):
             for n in widths:

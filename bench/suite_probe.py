@@ -6,6 +6,10 @@ Starts the suite on SmolLM2 (the worker on ``--device auto``: CUDA where present
 scheduler's step histograms before and after each run. Prints one JSON line per run:
 
     worker_ms     the worker's step (forward and sampling), mean over decode steps
+    worker_cpu_ms the engine thread's CPU in those steps (below worker_ms: descheduled, or
+                  waiting for torch's other threads)
+    idle_plan_ms  per decode step, the engine idle while its plan had not arrived (waiting on
+                  the scheduler); idle_handoff_ms from the plan's arrival to the step's start
     scheduler_ms  plan sent to result read, mean over decode steps (pipelined: overlaps)
     wall_ms       the run's wall time over its decode steps
     prefill_*     steps that computed prompt tokens: how many, and the worker's seconds
@@ -36,6 +40,8 @@ from bench.throughput import NicedClient, questions
 from tests.support.suite import Stack, Suite, default_model_stack, wait_serving
 
 WORKER = "canteen_worker_step_duration_seconds"
+WORKER_CPU = "canteen_worker_step_cpu_seconds"
+IDLE = "canteen_worker_idle_seconds"
 SCHEDULER = "canteen_step_duration_seconds"
 
 
@@ -49,6 +55,16 @@ def histogram(url: str, name: str) -> dict[str, float]:
             for part in ("sum", "count"):
                 if line.startswith(f"{name}_{part}{{") and f'kind="{kind}"' in line:
                     out[f"{kind}_{part}"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def label_sums(url: str, name: str, label: str) -> dict[str, float]:
+    """The ``_sum`` of histogram ``name`` per value of ``label`` at a /metrics ``url``."""
+    out: dict[str, float] = {}
+    for line in urllib.request.urlopen(url, timeout=5).read().decode().splitlines():
+        if line.startswith(f"{name}_sum{{") and f'{label}="' in line:
+            value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[value] = out.get(value, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -87,12 +103,14 @@ def probe(stack: Stack, client: NicedClient, streams: int, tokens: int, tag: str
     urls = (stack.worker.metrics_url, stack.scheduler.metrics_url)
     before = [histogram(u, n) for u, n in zip(urls, (WORKER, SCHEDULER), strict=True)]
     threads_before = thread_seconds(stack)
+    engine_before = engine_sums(stack.worker.metrics_url)
     cpu, started = cpu_seconds(stack), time.perf_counter()
     tps = client.run(stack.gateway.address, questions(streams, tag), tokens)
     wall = time.perf_counter() - started
     after = [histogram(u, n) for u, n in zip(urls, (WORKER, SCHEDULER), strict=True)]
     used = cpu_seconds(stack)
     threads_after = thread_seconds(stack)
+    engine = engine_sums(stack.worker.metrics_url)
     (w0, s0), (w1, s1) = before, after
     steps = max(w1["decode_count"] - w0["decode_count"], 1)
     seen = max(s1["decode_count"] - s0["decode_count"], 1)
@@ -101,6 +119,7 @@ def probe(stack: Stack, client: NicedClient, streams: int, tokens: int, tag: str
         "tok_s": round(tps, 1),
         "decode_steps": int(steps),
         "worker_ms": round(1e3 * (w1["decode_sum"] - w0["decode_sum"]) / steps, 2),
+        **{k: round(1e3 * (v - engine_before.get(k, 0.0)) / steps, 3) for k, v in engine.items()},
         "scheduler_ms": round(1e3 * (s1["decode_sum"] - s0["decode_sum"]) / seen, 2),
         "wall_ms": round(1e3 * wall / steps, 2),
         "prefill_steps": int(w1["prefill_count"] - w0["prefill_count"]),
@@ -109,6 +128,12 @@ def probe(stack: Stack, client: NicedClient, streams: int, tokens: int, tag: str
         "cpu_s": {k: round(used[k] - cpu[k], 2) for k in used},
         "thread_us": per_token(threads_before, threads_after, streams * tokens),
     }
+
+
+def engine_sums(url: str) -> dict[str, float]:
+    cpu = label_sums(url, WORKER_CPU, "kind").get("decode", 0.0)
+    idle = label_sums(url, IDLE, "cause")
+    return {"worker_cpu_ms": cpu, **{f"idle_{k}_ms": v for k, v in idle.items()}}
 
 
 def per_token(

@@ -149,6 +149,8 @@ def build_runner(
         graphs=config.graph_sizes,
         grammar=config.grammar,
         lora=config.lora,
+        narrow_step_rows=config.narrow_step_rows,
+        num_threads=torch.get_num_threads(),  # before any narrow step set one
     )
     scratch = ModelRunner(loaded, shape)
     warm_up(scratch, step_tokens)

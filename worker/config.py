@@ -23,6 +23,7 @@ from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
 from worker.engine.constrain import GrammarOptions
 from worker.engine.graphs import GraphSizes
+from worker.engine.threads import NARROW_STEP_ROWS
 from worker.lora.store import LoraOptions
 from worker.speculation.speculate import SPECULATIVE_KINDS
 
@@ -125,6 +126,13 @@ class WorkerConfig(InternalLinkOptions):
         2048, "the longest context (tokens) a graphed decode step attends over", within(1, 131072)
     )
     threads: int = option(0, "torch CPU threads (0: torch's default)", at_least(0))
+    narrow_step_rows: int = option(
+        NARROW_STEP_ROWS,
+        "steps of at most this many token rows (a stream or two decoding) compute on one torch "
+        "thread, leaving the other cores to gRPC and the edge; wider steps use --threads; the "
+        "tokens are the same either way; 0: every step on --threads",
+        at_least(0),
+    )
     grammar_compile_timeout: float = option(
         _GRAMMAR.compile_timeout,
         "seconds a constrained request's grammar may take to compile from its arrival; one "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -14,10 +15,12 @@ from canteen.logging import get_logger
 from canteen.plan import StepPlan, StepResult
 from canteen.v1 import worker_pb2, worker_pb2_grpc
 from worker.engine.memory import PoolSize
-from worker.engine.observe import SequenceSpans, WorkerMetrics
+from worker.engine.observe import SequenceSpans, StepTiming, WorkerMetrics
 from worker.engine.runner import ModelRunner
 
 log = get_logger(__name__)
+
+_Timed = tuple[StepResult, StepTiming]
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.idle.clear()
         log.info("run stream opened", peer=context.peer())
         try:
-            async for plan, result in self._steps(request_iterator):
+            async for plan, result, timing in self._steps(request_iterator):
                 for failure in result.failed:
                     label = self._labels.pop(failure.seq_id, "")
                     log.error(
@@ -120,7 +123,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     )
                 self._spans.on_result(result)
                 if self.metrics is not None:
-                    self.metrics.observe_step(plan, result, len(self.runner.sequences))
+                    self.metrics.observe_step(plan, result, len(self.runner.sequences), timing)
                 yield result_to_pb(result)
                 if not self.runner.sequences:
                     self.idle.set()
@@ -136,32 +139,41 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _steps(
         self, request_iterator: AsyncIterator[worker_pb2.StepPlan]
-    ) -> AsyncIterator[tuple[StepPlan, StepResult]]:
+    ) -> AsyncIterator[tuple[StepPlan, StepResult, StepTiming]]:
         """Each plan goes to the engine as soon as it arrives; results come back in order.
         The engine runs its queue one call at a time, so with the scheduler's next plan
         already queued (--pipeline-depth) the main thread goes from one forward straight
         to the next instead of waiting for this loop to send a result and read a plan."""
         assert self.runner is not None
         runner, loop = self.runner, asyncio.get_running_loop()
-        queued: asyncio.Queue[tuple[StepPlan, asyncio.Future[StepResult]] | None]
+        queued: asyncio.Queue[tuple[StepPlan, asyncio.Future[_Timed]] | None]
         queued = asyncio.Queue()
+
+        def timed(plan: StepPlan, arrived: int) -> _Timed:  # on the engine thread
+            began, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            result = runner.step(plan)
+            ended = time.perf_counter_ns()
+            return result, StepTiming(arrived, began, ended, time.thread_time_ns() - cpu)
 
         async def read() -> None:
             try:
                 async for msg in request_iterator:
+                    arrived = time.perf_counter_ns()
                     plan = plan_from_pb(msg)
                     runner.prefetch_grammars(plan)  # compiles start before the plan runs
                     self._log_plan(plan)
                     self._spans.on_plan(plan)
                     runner.tiers.prefetch(plan.reload_keys)  # overlaps the steps queued before
-                    queued.put_nowait((plan, loop.run_in_executor(self._engine, runner.step, plan)))
+                    step = loop.run_in_executor(self._engine, timed, plan, arrived)
+                    queued.put_nowait((plan, step))
             finally:
                 queued.put_nowait(None)
 
         reader = asyncio.create_task(read())
         try:
             while (item := await queued.get()) is not None:
-                yield item[0], await item[1]
+                result, timing = await item[1]
+                yield item[0], result, timing
             await reader  # the stream's own error, if it ended with one
         finally:
             reader.cancel()

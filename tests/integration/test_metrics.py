@@ -146,3 +146,26 @@ def test_promtool_accepts_every_exposition(suite: TinySuite, service: str) -> No
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_the_worker_reports_each_steps_cpu_and_its_idle_time_before_decode_steps(
+    suite: TinySuite,
+) -> None:
+    """Where the suite's time per token goes on the worker: each step's engine-thread CPU,
+    and before each decode step that followed another the engine's idle time, split into
+    waiting for the plan (the scheduler) and handing it to the engine."""
+    before = scrape(suite.worker.metrics_url)
+    request = inference_pb2.GenerateRequest(prompt="hi", max_tokens=8, ignore_eos=True)
+    assert sum(len(r.token_ids) for r in suite.inference.Generate(request)) == 8
+    worker = scrape(suite.worker.metrics_url)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(worker, name, **MODEL, **labels) - value(before, name, **MODEL, **labels)
+
+    steps = grew("canteen_worker_steps_total")
+    assert steps >= 8
+    assert grew("canteen_worker_step_cpu_seconds_count") == steps
+    assert grew("canteen_worker_step_cpu_seconds_sum") > 0
+    decode_after_decode = grew("canteen_worker_idle_seconds_count", cause="plan")
+    assert decode_after_decode >= 6  # the first decode step follows the prefill
+    assert grew("canteen_worker_idle_seconds_count", cause="handoff") == decode_after_decode

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -11,6 +13,21 @@ from canteen.plan import NewSequence, StepPlan, StepResult
 from canteen.tracing import context_from_traceparent, get_tracer
 
 tracer = get_tracer("canteen.worker")
+
+
+GAP_BUCKETS = (
+    0.00002, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """Where one step's time went on the worker, from the engine thread's clocks (ns)."""
+
+    arrived: int  # the plan was read off the stream (perf_counter)
+    began: int  # the engine thread started the step
+    ended: int  # ... and finished it
+    cpu_ns: int  # the engine thread's CPU time in the step (the forward's, on one thread)
 
 
 class WorkerMetrics:
@@ -26,6 +43,24 @@ class WorkerMetrics:
             buckets=TOKEN_BUCKETS,
             registry=registry,
         )
+        self.step_cpu = Histogram(
+            "canteen_worker_step_cpu_seconds",
+            "CPU seconds of the engine thread in one step; below the step's wall time when the "
+            "thread was descheduled or waited for torch's other threads",
+            (*labels, "kind"),
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.idle = Histogram(
+            "canteen_worker_idle_seconds",
+            "Seconds the engine sat idle before a decode step that followed another: "
+            "cause=plan while its plan had not arrived (waiting on the scheduler), "
+            "cause=handoff from the plan's arrival (or the last step's end) to the step",
+            (*labels, "cause"),
+            buckets=GAP_BUCKETS,
+            registry=registry,
+        )
+        self._last_end = 0
         self.steps = Counter(
             "canteen_worker_steps", "Steps the worker ran", labels, registry=registry
         )
@@ -52,7 +87,13 @@ class WorkerMetrics:
         self.kv_cache_bytes.labels(*self._labels).set(kv_bytes)
         self.memory_budget_bytes.labels(*self._labels).set(budget_bytes)
 
-    def observe_step(self, plan: StepPlan, result: StepResult, num_sequences: int) -> None:
+    def observe_step(
+        self,
+        plan: StepPlan,
+        result: StepResult,
+        num_sequences: int,
+        timing: StepTiming | None = None,
+    ) -> None:
         self.sequences.labels(*self._labels).set(num_sequences)
         if not plan.scheduled:
             return
@@ -60,6 +101,15 @@ class WorkerMetrics:
         self.steps.labels(*self._labels).inc()
         if result.deferred_seq_ids:
             self.deferred_rows.labels(*self._labels).inc(len(result.deferred_seq_ids))
+        if timing is None:
+            return
+        self.step_cpu.labels(*self._labels, plan.kind).observe(timing.cpu_ns / 1e9)
+        last, self._last_end = self._last_end, timing.ended
+        if plan.kind != "decode" or not last or timing.began < last:
+            return
+        waited = max(timing.arrived - last, 0)  # the engine was free before the plan came
+        self.idle.labels(*self._labels, "plan").observe(waited / 1e9)
+        self.idle.labels(*self._labels, "handoff").observe((timing.began - last - waited) / 1e9)
 
 
 class SequenceSpans:

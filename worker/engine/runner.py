@@ -28,6 +28,7 @@ from worker.engine.constrain import Constraints, GrammarOptions, StepMasks, load
 from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
 from worker.engine.guard import BlockLedger, EntryError, root_key
 from worker.engine.sampler import sample
+from worker.engine.threads import StepThreads
 from worker.kv_tiers.store import KVTiers, move
 from worker.lora.adapter import LoraError
 from worker.lora.manager import LoraManager
@@ -74,6 +75,11 @@ class RunnerConfig:
     """How constraints compile (threads, deadline, limits) and their masks fill."""
     lora: LoraOptions = field(default_factory=LoraOptions)
     """How many LoRA adapters a step applies and memory holds (worker/lora/)."""
+    narrow_step_rows: int = 0
+    """Steps of at most this many token rows compute on one torch thread (worker/engine/
+    threads.py); 0: every step on ``num_threads``."""
+    num_threads: int = 0
+    """torch threads for wider steps; 0: torch's count when the runner is built."""
 
 
 class ModelRunner:
@@ -94,6 +100,7 @@ class ModelRunner:
         # a graphed step's padding rows write into one scratch block past the scheduler's
         self.kv_pool = new_kv_pool(loaded, num_blocks + int(graphed), block_size)
         self.sequences: dict[str, SequenceState] = {}
+        self.threads = StepThreads(config.narrow_step_rows, config.num_threads)
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
         self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
@@ -152,6 +159,7 @@ class ModelRunner:
 
     def step(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter_ns()
+        self.threads.apply(plan.num_tokens)
         moved = None
         for seq_id in plan.dropped_seq_ids:  # first: a reload may reuse a dropped one's block
             self._drop(seq_id)

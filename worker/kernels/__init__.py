@@ -1,5 +1,6 @@
 """Canteen's C++ CPU kernels (canteen_ops.cpp, attention.cpp, dense.cpp, dense_float.cpp,
-lowbit.cpp, stack.cpp, sampling.cpp, lora.cpp), built with the machine's own compiler and loaded.
+lowbit.cpp, stack.cpp, sampling.cpp, lora.cpp, share.cpp), built with the machine's own
+compiler and loaded.
 
 The ``torch.ops.canteen`` ops (``paged_decode_into``, ``rms_norm``, ``rotary``, ``silu_mul``,
 ``skinny_linear``, ``quant_linear``, ``decode_layers``, ``greedy_pick``, ``lora_add``) replace
@@ -53,9 +54,10 @@ SOURCES = tuple(
         "stack.cpp",
         "sampling.cpp",
         "lora.cpp",
+        "share.cpp",
     )
 )
-HEADERS = (HERE / "common.h",)
+HEADERS = (HERE / "common.h", HERE / "share.h")
 # -ffp-contract=off: no fused multiply-adds, so a * b + c rounds as torch's two ops round it.
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 BUILD_TIMEOUT_S = 600

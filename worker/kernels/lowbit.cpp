@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "common.h"
+#include "share.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -261,7 +262,7 @@ void quant_blocks(const Packed& pk, const XRows& x, int64_t rows, const canteen:
   const int wide = gate ? 2 : blocks_for_rows(static_cast<int>(tile));
   const int64_t unit_bytes = pk.block_bytes * (gate ? 2 : 1);
   const int64_t grain = std::max<int64_t>(gate ? 2 : 4, kMinTaskBytes / std::max<int64_t>(unit_bytes, 1));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+  const auto body = [&](int64_t begin, int64_t end) {
     float sums[kMaxRows * kMaxBlocks * kBlock];
     for (int64_t blk = begin; blk < end;) {
       const int count = gate ? 2 : (end - blk >= wide ? wide : 1);
@@ -281,7 +282,13 @@ void quant_blocks(const Packed& pk, const XRows& x, int64_t rows, const canteen:
       }
       blk += gate ? 1 : count;
     }
-  });
+  };
+  // A narrow step on one torch thread shares its bigger linears with the step helper (share.h).
+  if (at::get_num_threads() == 1 && !at::in_parallel_region() && canteen::has_step_helper()) {
+    canteen::shared_for(units, (grain + wide - 1) / wide * wide, body);
+  } else {
+    at::parallel_for(0, units, grain, body);
+  }
 }
 
 // x [M, K] @ the weight [N, K]^T (+ bias): packed [ceil(N / 16), K / 32, 256 or 512]

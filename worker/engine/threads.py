@@ -1,0 +1,52 @@
+"""How many torch threads a step computes on: one for a narrow step, all for a wide one.
+
+A decode step of a row or two reads every weight once and does little arithmetic on it, and
+Canteen's kernels split only calls worth a second thread's wake-up (worker/kernels/lowbit.cpp,
+kMinTaskBytes). In the suite such a step shares the machine with the worker's own gRPC thread,
+the scheduler and the gateway, which wake once per token: with two OpenMP threads, whichever
+of them the OS takes away stalls every parallel region after it (the other one waits at the
+region's end), and the idle one spins where the edge would run. On one thread the step never
+waits for a second, and the other core serves the edge while the step runs (the scheduler
+has the next plan in flight already, --pipeline-depth 2). The step's bigger linears still
+take a second core when it is free: the kernels' step helper (worker/kernels/share.h) claims
+chunks beside the step's thread while it is awake, and the step never waits for it to arrive.
+
+The switch changes no bit: every kernel computes a row the same way at any thread count
+(tests/unit/test_thread_invariance.py), so only speed depends on it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from worker import kernels
+
+# The worker's default (--narrow-step-rows): one stream decoding.
+NARROW_STEP_ROWS = 1
+
+
+class StepThreads:
+    """Sets torch's thread count before each step from the step's number of token rows."""
+
+    def __init__(self, narrow_rows: int, num_threads: int = 0) -> None:
+        """``narrow_rows``: steps of at most this many rows run on one thread (0: none);
+        ``num_threads``: every other step's count (0: torch's count now)."""
+        if narrow_rows < 0:
+            raise ValueError(f"narrow_rows must be >= 0, got {narrow_rows}")
+        self.narrow_rows = narrow_rows
+        self.num_threads = num_threads or torch.get_num_threads()
+        # the helper lives in the CPU kernels: only where narrow steps can lend it a thread
+        self._has_helper = narrow_rows > 0 and self.num_threads > 1 and kernels.available()
+
+    def threads_for(self, num_rows: int) -> int:
+        return 1 if num_rows <= self.narrow_rows else self.num_threads
+
+    def apply(self, num_rows: int) -> int:
+        """Sets the count for a step of ``num_rows`` rows (a no-op when it is set already), and
+        gives a narrow step the kernels' step helper when wider ones have more threads."""
+        wanted = self.threads_for(num_rows)
+        if torch.get_num_threads() != wanted:  # asked each time: a caller may have set it
+            torch.set_num_threads(wanted)
+        if self._has_helper:  # set every step: other runners in the process may change it
+            torch.ops.canteen.set_step_helpers(int(wanted < self.num_threads))
+        return wanted
