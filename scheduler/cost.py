@@ -104,6 +104,7 @@ class StepCostModel:
         # measured / estimated ratio
         self._drift: list[tuple[tuple[int, float, int, bool | None], float]] = []
         self.num_reanchored = 0
+        self.last_factor = 1.0  # the last re-anchor's scale
         # decayed sums of the decode-only steps: weight, tokens, keys, seconds
         self._decodes = (0.0, 0.0, 0.0, 0.0)
         # decayed sums of what steps with prompt tokens took over the line's estimate
@@ -184,6 +185,7 @@ class StepCostModel:
         self._excess = (0.0, 0.0)
         self._suspect.clear()
         self.num_reanchored += 1
+        self.last_factor = round(factor, 3)
 
     def measured_decode(self, num_decodes: int, decode_keys: int, b: float, c: float) -> float:
         """A decode-only step of ``num_decodes`` over ``decode_keys`` keys as the recent ones
