@@ -195,9 +195,10 @@ def attention_ms(loaded: LoadedModel, position: int) -> dict[str, float]:
     kv_heads, dim = loaded.num_kv_heads, loaded.head_dim
     heads = loaded.model.config.num_attention_heads
     pool = torch.randn(2, kv_heads, position + 256 + 8 * 256, dim).to(loaded.dtype)
-    none = torch.empty(0, dtype=torch.long)
 
-    def timed(rows: int, slots: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor) -> float:
+    def timed(
+        rows: int, slots: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor | None
+    ) -> float:
         q = torch.randn(rows, heads, dim).to(loaded.dtype)
         out = q.new_empty(rows, heads * dim)
         args = (out, q, pool, slots, lens, torch.arange(rows), dim**-0.5, tables)
@@ -210,7 +211,7 @@ def attention_ms(loaded: LoadedModel, position: int) -> dict[str, float]:
 
     first = position + 256
     decode = torch.arange(first, first + 8 * 256).view(8, 256)
-    out = {"decode 8 x 200 keys": timed(8, decode, torch.full((8,), 200), none)}
+    out = {"decode 8 x 200 keys": timed(8, decode, torch.full((8,), 200), None)}
     for n in (16, 64, 256):
         lens = torch.arange(position + 1, position + n + 1)
         slots = torch.arange(position + n).view(1, -1)
