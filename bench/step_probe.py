@@ -15,6 +15,9 @@ position, wall and CPU ms), so a step's cost can be read against its chunk's pos
 side-by-side run). ``--repeat 2`` runs it twice (the second warm, the cost model keeps what
 it learned). ``over_bound``: a chunk step's CPU time over the step time the cost model held
 it to (its ``bound_seconds``), the figure that shows whether the model's estimates hold;
+``--decode-every 16`` adds a decode-only step (unseen by the cost model) every 16 steps and
+rates each chunk step against the latest one (``over_decode``, ``*_over_decode_beside``): the
+streams' contexts grow here, so the decode steps before the prompt understate late ones.
 ``--attention 1900`` times one layer's attention kernel alone (thread CPU ms): 8 decode rows,
 and chunks of 16, 64 and 256 rows after 1,900 cached tokens.
 ``--threads 1`` with ``OMP_NUM_THREADS=1`` makes CPU time one core's work, the figure that
@@ -123,16 +126,25 @@ def prefill_ms(runner: ModelRunner, prompt: int) -> float:
 def stream_tokens(prompt: int, chunk: int) -> int:
     """Tokens each decoding stream may reach while the prompt is prefilled (chunk 0: sized
     by the cost model, one token a step at worst)."""
-    return 64 + (prompt // chunk if chunk else prompt) + 24
+    return 64 + (prompt // chunk if chunk else prompt) * 17 // 16 + 24
 
 
 def interference_steps(
-    runner: ModelRunner, prompt: int, chunk: int, cost: StepCostModel, blind: bool = False
+    runner: ModelRunner,
+    prompt: int,
+    chunk: int,
+    cost: StepCostModel,
+    blind: bool = False,
+    decode_every: int = 0,
 ) -> list[dict[str, float]]:
     """8 decodes per step; after 8 decode-only steps a ``prompt``-token prompt joins in
     ``chunk``-token chunks, or (chunk 0) in chunks the scheduler's cost model sizes from
     these steps' CPU times (``blind``: not told which steps were decode-only, the model
-    before it kept them apart). One record per step: the chunk's position (-1: none), ms."""
+    before it kept them apart). One record per step: the chunk's position (-1: none), ms.
+    ``decode_every`` N: every N steps also a decode-only step the model does not see (the
+    scheduler sees none while a prompt is prefilled), and each chunk step's ``over_decode``
+    is its CPU time over the latest such step's: the streams' contexts grow with every step
+    here, so the decode steps before the prompt stop being the yardstick."""
     runner.reset()
     per = runner.blocks_for(stream_tokens(prompt, chunk))
     seqs = tuple(
@@ -152,7 +164,13 @@ def interference_steps(
     )
     records: list[dict[str, float]] = []
     done, step, context = -8, 1, 32
+    decode_cpu = 0.0
     while done < prompt:
+        if decode_every and done >= 0 and step % decode_every == 0:
+            started = time.process_time()
+            only = tuple(ScheduledSequence(s.seq_id, 1) for s in seqs)
+            runner.step(StepPlan(step, (), only))
+            decode_cpu, step, context = time.process_time() - started, step + 1, context + 1
         items = [ScheduledSequence(s.seq_id, 1) for s in seqs]
         new: tuple[NewSequence, ...] = ()
         decode_keys = 8 * (context + 1)
@@ -178,6 +196,7 @@ def interference_steps(
                 "gc_ms": GC.ms - collected,
                 # the step's CPU time over the time the cost model held it to
                 "over_bound": cpu / bound if bound else 0.0,
+                "over_decode": cpu / decode_cpu if decode_cpu and n else 0.0,
             }
         )
         done, step, context = (done + n if n else done + 1), step + 1, context + 1
@@ -262,6 +281,12 @@ def main() -> None:
         "--no-freeze", action="store_true", help="leave the model's objects to the collector"
     )
     parser.add_argument(
+        "--decode-every",
+        type=int,
+        default=0,
+        help="--interference: a decode-only yardstick step every N steps (see above)",
+    )
+    parser.add_argument(
         "--attention", type=int, help="time the attention kernel alone at this position"
     )
     args = parser.parse_args()
@@ -290,7 +315,12 @@ def main() -> None:
         with torch.inference_mode():
             for _ in range(args.repeat):
                 records = interference_steps(
-                    runner, args.prompt, args.interference, cost, args.blind_cost
+                    runner,
+                    args.prompt,
+                    args.interference,
+                    cost,
+                    args.blind_cost,
+                    args.decode_every,
                 )
                 only = [r["cpu_ms"] for r in records if r["n"] == 0]
                 chunks = [r["cpu_ms"] for r in records if r["n"]]
@@ -316,6 +346,12 @@ def main() -> None:
                                 r["over_bound"] for r in records if r["n"]
                             )[len(chunks) * 9 // 10],
                             "num_reanchored": getattr(cost, "num_reanchored", 0),
+                            "worst_chunk_step_over_decode_beside": max(
+                                r["over_decode"] for r in records
+                            ),
+                            "p90_chunk_step_over_decode_beside": sorted(
+                                r["over_decode"] for r in records if r["n"]
+                            )[len(chunks) * 9 // 10],
                             "steps_with_gc_over_20ms": sum(r["gc_ms"] > 20 for r in records),
                         }
                     )
