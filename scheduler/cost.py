@@ -61,6 +61,11 @@ every time it holds is scaled by their geometric mean ratio, which keeps the sha
 (how a token and a key compare) and moves its scale to what the steps take now. The decode
 steps the bound is held against are averaged over the last few (``DECODE_DECAY``), since they
 say what a stream waits between tokens now.
+
+A chunk is sized for the bound less what chunk steps recently ran over their estimate: the
+mean, and once there were ``SPREAD_STEPS`` of them, one standard deviation more, since a
+stream sees its worst gap: steps that run 10% over and under their estimate in turn keep
+every step within the bound at the price of ~30% smaller chunks.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ OUTLIER_RUN = 3  # ... unless this many in a row are: then the machine changed, 
 DRIFT = 1.5  # a step this many times faster or slower than estimated has drifted ...
 DRIFT_RUN = 3  # ... and this many in a row, on the same side, re-anchor the fit
 DECODE_DECAY = 0.7  # weight kept by the decode-only steps' sums: about the last 3 count
+SPREAD_STEPS = 8  # chunk steps (decayed) before their spread around the estimate counts
 WARMUP_STEPS = 4  # a worker's first steps, which build its kernels' shapes, are not learned
 
 
@@ -108,7 +114,7 @@ class StepCostModel:
         # decayed sums of the decode-only steps: weight, tokens, keys, seconds
         self._decodes = (0.0, 0.0, 0.0, 0.0)
         # decayed sums of what steps with prompt tokens took over the line's estimate
-        self._excess = (0.0, 0.0)
+        self._excess = (0.0, 0.0, 0.0)  # and their squares
 
     def observe(
         self,
@@ -158,8 +164,9 @@ class StepCostModel:
                 d, (w, n, k, t) = DECODE_DECAY, self._decodes
                 self._decodes = (w * d + 1, n * d + num_tokens, k * d + num_keys, t * d + seconds)
             elif is_decode_only is not None and expected is not None:
-                d, (w, excess) = DECAY, self._excess
-                self._excess = (w * d + 1, excess * d + seconds - expected)
+                d, (w, excess, squares) = DECAY, self._excess
+                over = seconds - expected
+                self._excess = (w * d + 1, excess * d + over, squares * d + over * over)
             return
         self._suspect.append((num_tokens, seconds, num_keys))
         if len(self._suspect) >= OUTLIER_RUN:
@@ -182,7 +189,7 @@ class StepCostModel:
             self._slope *= factor
         if self._key_slopes is not None:
             self._key_slopes = (self._key_slopes[0] * factor, self._key_slopes[1] * factor)
-        self._excess = (0.0, 0.0)
+        self._excess = (0.0, 0.0, 0.0)  # and their squares
         self._suspect.clear()
         self.num_reanchored += 1
         self.last_factor = round(factor, 3)
@@ -198,9 +205,15 @@ class StepCostModel:
     def chunk_excess(self) -> float:
         """Seconds a step with prompt tokens recently took beyond the line's estimate (at
         least 0): the fixed cost of carrying a chunk, which a line through decode-only and
-        chunk steps alike spreads over its slopes."""
-        w, excess = self._excess
-        return max(excess / w, 0.0) if w else 0.0
+        chunk steps alike spreads over its slopes; once ``SPREAD_STEPS`` were seen, plus one
+        standard deviation of it, so that a chunk step that runs slow stays within the bound
+        too (the streams see the worst gap, not the mean one)."""
+        w, excess, squares = self._excess
+        if not w:
+            return 0.0
+        mean = excess / w
+        spread = math.sqrt(max(squares / w - mean * mean, 0.0)) if w >= SPREAD_STEPS else 0.0
+        return max(mean + spread, 0.0)
 
     def estimate(self, num_tokens: int, num_keys: int = 0) -> float | None:
         """Seconds a step of ``num_tokens`` over ``num_keys`` keys should take, or None while

@@ -325,3 +325,27 @@ def test_a_workers_first_steps_are_not_learned() -> None:
     assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
     with pytest.raises(ValueError, match="warmup_steps=-1: must be >= 0"):
         StepCostModel(max_stall=1.5, min_chunk=16, warmup_steps=-1)
+
+
+def test_chunk_steps_that_jitter_keep_their_spread_below_the_bound() -> None:
+    """Chunk steps that run 10% over and under their cost in turn (a mean the fit gets
+    right, a spread it does not): once SPREAD_STEPS of them were seen, the chunks leave room
+    for a standard deviation of it, and the slow half stays within the bound too."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k, is_decode_only=n == 8)
+    bound = 1.5 * seconds(8, 800)
+    sizes, over, position = [], [], 500
+    for i in range(40):
+        n = model.prefill_budget(8, position=position, decode_keys=800)
+        took = (1.1 if i % 2 else 0.9) * seconds(8 + n, 800 + chunk_keys(n, position))
+        model.observe(8 + n, took, 800 + chunk_keys(n, position), is_decode_only=False)
+        sizes.append(n)
+        over.append(took / bound)
+        position += n
+    # before: 10 tokens, and the slow steps ran up to 6.3% over the bound
+    assert sizes[:7] == [10] * 7
+    assert max(over[:7]) == pytest.approx(1.0633, abs=1e-4)
+    # after: 7 tokens, every step within it
+    assert sizes[7:] == [7] * 33
+    assert max(over[7:]) == pytest.approx(0.9862, abs=1e-4)
