@@ -366,7 +366,10 @@ class StepCostModel:
         # Asked every step, so that the noise guard knows the last step's bound.
         keys = sum(s.num_computed + 1 for s in decoding)
         bound = self.prefill_budget(num_decodes, len(held), protected, position, keys)
-        return bound if protected else UNBOUNDED
+        if not protected:
+            self.bound_seconds = None  # no step time bound holds this step
+            return UNBOUNDED
+        return bound
 
 
 def chunk_keys(num_tokens: int, position: int) -> int:

@@ -11,7 +11,7 @@ from canteen.batching import BatchConfig
 from canteen.plan import StepPlan, StepResult
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.cost import StepCostModel, chunk_keys, largest_chunk
+from scheduler.cost import UNBOUNDED, StepCostModel, chunk_keys, largest_chunk
 from tests.unit.test_batcher import (
     BLOCK_SIZE,
     FakeWorker,
@@ -349,3 +349,14 @@ def test_chunk_steps_that_jitter_keep_their_spread_below_the_bound() -> None:
     # after: 7 tokens, every step within it
     assert sizes[7:] == [7] * 33
     assert max(over[7:]) == pytest.approx(0.9862, abs=1e-4)
+
+
+def test_a_step_no_stream_is_protected_from_has_no_time_bound() -> None:
+    """With no stream streaming before the held prompt arrived, the step is unbounded here,
+    and the time bound logged with it (bound_ms) is None, not the last step's."""
+    model = taught_at(1.5)
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 14
+    assert model.bound_seconds == pytest.approx(1.5 * seconds(8, 800))
+    held = [make_seq("long", 2000, 4)]
+    assert model.budget(0, [], held, tick=0) == UNBOUNDED
+    assert model.bound_seconds is None
