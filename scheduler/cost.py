@@ -202,18 +202,20 @@ class StepCostModel:
             return math.inf
         return (t + b * (num_decodes * w - n) + c * (decode_keys * w - k)) / w
 
-    def chunk_excess(self) -> float:
+    def chunk_excess(self, room: float = math.inf) -> float:
         """Seconds a step with prompt tokens recently took beyond the line's estimate (at
         least 0): the fixed cost of carrying a chunk, which a line through decode-only and
         chunk steps alike spreads over its slopes; once ``SPREAD_STEPS`` were seen, plus one
         standard deviation of it, so that a chunk step that runs slow stays within the bound
-        too (the streams see the worst gap, not the mean one)."""
+        too (the streams see the worst gap, not the mean one). The deviation counts for at
+        most half the ``room`` the bound leaves a chunk: on a busy host steps jitter by more
+        than the room, and a prompt a token a step would wait for minutes."""
         w, excess, squares = self._excess
         if not w:
             return 0.0
         mean = excess / w
         spread = math.sqrt(max(squares / w - mean * mean, 0.0)) if w >= SPREAD_STEPS else 0.0
-        return max(mean + spread, 0.0)
+        return max(mean + min(spread, room / 2), 0.0)
 
     def estimate(self, num_tokens: int, num_keys: int = 0) -> float | None:
         """Seconds a step of ``num_tokens`` over ``num_keys`` keys should take, or None while
@@ -325,8 +327,10 @@ class StepCostModel:
             a, b, c = with_keys
             decode = a + b * num_decodes + c * decode_keys
             measured = self.measured_decode(num_decodes, decode_keys, b, c)
-            self.bound_seconds = self.max_stall * ratio * min(decode, measured)
-            extra = self.bound_seconds - decode - self.chunk_excess()
+            reference = min(decode, measured)
+            self.bound_seconds = self.max_stall * ratio * reference
+            room = self.bound_seconds - reference
+            extra = self.bound_seconds - decode - self.chunk_excess(room)
             budget = largest_chunk(max(extra, 0.0), b, c, position)
             budget = min(budget, int(2 * ratio * self._last_budget))
         elif fitted is None:
@@ -336,8 +340,9 @@ class StepCostModel:
             a, b = fitted
             decode = a + b * num_decodes
             measured = self.measured_decode(num_decodes, decode_keys, b, 0.0)
-            self.bound_seconds = self.max_stall * ratio * min(decode, measured)
-            target = self.bound_seconds - self.chunk_excess()
+            reference = min(decode, measured)
+            self.bound_seconds = self.max_stall * ratio * reference
+            target = self.bound_seconds - self.chunk_excess(self.bound_seconds - reference)
             budget = max(int((target - a) / b) - num_decodes, 1)
             budget = min(budget, int(2 * ratio * self._last_budget))
         # Noise may at most double the budget of the last step, whatever the ratio was.

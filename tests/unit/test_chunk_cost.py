@@ -360,3 +360,20 @@ def test_a_step_no_stream_is_protected_from_has_no_time_bound() -> None:
     held = [make_seq("long", 2000, 4)]
     assert model.budget(0, [], held, tick=0) == UNBOUNDED
     assert model.bound_seconds is None
+
+
+def test_a_spread_wider_than_the_room_halves_chunks_at_most() -> None:
+    """Chunk steps at 160% and 40% of their cost in turn (a busy host): the spread counts
+    for half the room the bound leaves, so chunks of ~10 tokens become 4-5, not 1."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k, is_decode_only=n == 8)
+    sizes, position = [], 500
+    for i in range(40):
+        n = model.prefill_budget(8, position=position, decode_keys=800)
+        took = (1.6 if i % 2 else 0.4) * seconds(8 + n, 800 + chunk_keys(n, position))
+        model.observe(8 + n, took, 800 + chunk_keys(n, position), is_decode_only=False)
+        sizes.append(n)
+        position += n
+    assert sizes[:8] == [10, 10, 9, 9, 10, 9, 10, 9]
+    assert sizes[8] == 6 and set(sizes[9:]) == {4, 5}
