@@ -6,7 +6,11 @@
   interference   8 streams decode; a 2,000-token prompt arrives: the streams' worst
                  inter-token gap against their median gap before it, with --max-step-stall
                  1.5 (the default) vs 0 (only --max-batched-tokens bounds a step); both
-                 stacks warmed with a long prompt first, rounds alternate the sides
+                 stacks warmed with a long prompt first, rounds alternate the sides;
+                 each round also reports, from the scheduler's DEBUG log, its chunk
+                 steps' time over the step time the cost model sized them for
+                 (worst_step_over_bound, p90_step_over_bound) and the step behind the
+                 worst gap (worst_gap_step: its tokens, keys, estimate, time and bound)
   overload       10x more concurrent requests than fit the pool: errors, preemptions, and
                  the worker's peak RSS against the budget it reports
 
@@ -22,13 +26,17 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -149,7 +157,12 @@ def shared_prefix(tokenizer: object, tmp: Path, rounds: int) -> dict[str, object
 # -- long-prompt interference ---------------------------------------------------------------
 
 
-async def interference_run(address: str, long_prompt: str) -> dict[str, float]:
+async def interference_run(
+    address: str, long_prompt: str
+) -> tuple[dict[str, float], tuple[float, float, float]]:
+    """The figures, and in wall-clock (Unix) time: when the long prompt was sent, when the
+    last stream ended, and when the worst gap during it ended."""
+    to_unix = time.time() - time.perf_counter()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         live = [Trace(time.perf_counter()) for _ in range(8)]
@@ -162,20 +175,63 @@ async def interference_run(address: str, long_prompt: str) -> dict[str, float]:
         arrived = time.perf_counter()
         long = await traced(stub, chat("", long_prompt, 4))
         traces = await asyncio.gather(*streams)
+    ended = time.perf_counter()
     before: list[float] = []
-    during: list[float] = []
+    during: list[tuple[float, float]] = []  # (gap, when it ended)
     for t in traces:
         times = [a for a, _ in t.arrivals]
         for prev, cur in itertools.pairwise(times):
-            (before if cur < arrived else during).append(cur - prev)
+            if cur < arrived:
+                before.append(cur - prev)
+            else:
+                during.append((cur - prev, cur))
     median = statistics.median(before)
-    window = during or [0.0]
-    return {
+    worst, worst_at = max(during or [(0.0, arrived)])
+    figures = {
         "median_gap_s": median,
-        "worst_gap_during_s": max(window),
-        "worst_over_median": max(window) / median,
+        "worst_gap_during_s": worst,
+        "worst_over_median": worst / median,
         "long_ttft_s": long.ttft,
         "errors": float(sum(1 for t in [*traces, long] if t.error)),
+    }
+    return figures, (arrived + to_unix, ended + to_unix, worst_at + to_unix)
+
+
+def step_records(log: Path, since: float, until: float) -> list[dict[str, Any]]:
+    """The scheduler's DEBUG records of the steps whose results came between two Unix
+    times (tokens, sequences, keys, estimate, time: scheduler/timing.py), each with the step
+    time bound its plan was sized for (``bound_ms``, from its "prefill bound" record)."""
+    bounds: dict[int, float | None] = {}
+    steps: list[dict[str, Any]] = []
+    for line in log.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("msg") == "prefill bound":
+            bounds[record["step_id"]] = record.get("bound_ms")
+        elif record.get("msg") == "step cost":
+            at = datetime.fromisoformat(record["timestamp"]).timestamp()
+            if since <= at <= until:
+                steps.append({**record, "at": at})
+    return [{**s, "bound_ms": bounds.get(s["step_id"])} for s in steps]
+
+
+def chunk_figures(steps: list[dict[str, Any]], worst_at: float) -> dict[str, object]:
+    """Steps that carried prompt tokens beside the decodes: their time over the bound the
+    cost model sized them for (worst, 90th percentile), and the step whose result came last
+    before the worst gap ended (the step that made it, give or take the gateway's hop)."""
+    chunked = [s for s in steps if s["num_tokens"] > s["num_sequences"] and s["bound_ms"]]
+    if not chunked:
+        return {}
+    over = sorted(s["took_ms"] / s["bound_ms"] for s in chunked)
+    fields = ("step_id", "num_tokens", "num_sequences", "num_keys", "estimated_ms", "took_ms")
+    last = max((s for s in steps if s["at"] <= worst_at), key=lambda s: s["at"], default=None)
+    return {
+        "chunk_steps": len(chunked),
+        "worst_step_over_bound": round(over[-1], 3),
+        "p90_step_over_bound": round(over[len(over) * 9 // 10], 3),
+        "worst_gap_step": None if last is None else {f: last[f] for f in (*fields, "bound_ms")},
     }
 
 
@@ -186,28 +242,48 @@ def interference(
     (seed 99, which no round uses), so its scheduler has learned the step cost of late
     chunks before the first round. Each round sends both sides the same fresh long prompt
     (seeded by the round: nothing cached on either side) and alternates which side goes
-    first; rounds are reported in the order they ran."""
+    first; rounds are reported in the order they ran. The scheduler logs at DEBUG, so that
+    each round also reports its chunk steps' time over the bound they were sized for, and
+    the step behind the worst gap."""
     worker = [*THREADS, "--kv-cache-memory", "512MiB"]
     variants: list[tuple[str, list[str]]] = [("stall_default", [])]
     if stall_off:
         variants.append(("stall_off", ["--max-step-stall", "0"]))
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in variants}
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name, _ in variants}
     with contextlib.ExitStack() as stacks:
+        # every service's level (only the scheduler logs per step at DEBUG)
+        stacks.enter_context(patched_env("CANTEEN_TEST_LOG_LEVEL", "DEBUG"))
         sides = [
             (name, stacks.enter_context(default_model_stack(tmp / name, args, worker)))
             for name, args in variants
         ]
         warm = text_of_tokens(tokenizer, 2000, 99)
         for name, s in sides:
-            warmed = asyncio.run(interference_run(s.gateway.address, warm))
+            warmed, _ = asyncio.run(interference_run(s.gateway.address, warm))
             print(f"interference {name} warm-up: {warmed}", flush=True)
         for r in range(rounds):
             long_prompt = text_of_tokens(tokenizer, 2000, 7 + r)
             for name, s in sides if r % 2 == 0 else sides[::-1]:
-                run = asyncio.run(interference_run(s.gateway.address, long_prompt))
-                runs[name].append({"round": r + 1, **run})
-                print(f"interference {name} round {r + 1}: {run}", flush=True)
+                run, (since, until, worst_at) = asyncio.run(
+                    interference_run(s.gateway.address, long_prompt)
+                )
+                steps = step_records(tmp / name / "scheduler.log", since, until)
+                runs[name].append({"round": r + 1, **run, **chunk_figures(steps, worst_at)})
+                print(f"interference {name} round {r + 1}: {runs[name][-1]}", flush=True)
     return {name: got[0] if rounds == 1 else got for name, got in runs.items()}
+
+
+@contextlib.contextmanager
+def patched_env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 # -- overload -------------------------------------------------------------------------------

@@ -13,7 +13,13 @@ in process-CPU time, and with ``--verbose`` one JSON line per step with a chunk 
 position, wall and CPU ms), so a step's cost can be read against its chunk's position.
 ``--blind-cost`` sizes them as the model did before it told decode-only steps apart (for a
 side-by-side run). ``--repeat 2`` runs it twice (the second warm, the cost model keeps what
-it learned);
+it learned). ``over_bound``: a chunk step's CPU time over the step time the cost model held
+it to (its ``bound_seconds``), the figure that shows whether the model's estimates hold;
+``--decode-every 16`` adds a decode-only step (unseen by the cost model) every 16 steps and
+rates each chunk step against the latest one (``over_decode``, ``*_over_decode_beside``): the
+streams' contexts grow here, so the decode steps before the prompt understate late ones.
+``--attention 1900`` times one layer's attention kernel alone (thread CPU ms): 8 decode rows,
+and chunks of 16, 64 and 256 rows after 1,900 cached tokens.
 ``--threads 1`` with ``OMP_NUM_THREADS=1`` makes CPU time one core's work, the figure that
 holds up on a loaded host. Example:
 ``OMP_NUM_THREADS=1 python bench/step_probe.py --interference 16 --threads 1 --repeat 2``.
@@ -120,16 +126,25 @@ def prefill_ms(runner: ModelRunner, prompt: int) -> float:
 def stream_tokens(prompt: int, chunk: int) -> int:
     """Tokens each decoding stream may reach while the prompt is prefilled (chunk 0: sized
     by the cost model, one token a step at worst)."""
-    return 64 + (prompt // chunk if chunk else prompt) + 24
+    return 64 + (prompt // chunk if chunk else prompt) * 17 // 16 + 24
 
 
 def interference_steps(
-    runner: ModelRunner, prompt: int, chunk: int, cost: StepCostModel, blind: bool = False
+    runner: ModelRunner,
+    prompt: int,
+    chunk: int,
+    cost: StepCostModel,
+    blind: bool = False,
+    decode_every: int = 0,
 ) -> list[dict[str, float]]:
     """8 decodes per step; after 8 decode-only steps a ``prompt``-token prompt joins in
     ``chunk``-token chunks, or (chunk 0) in chunks the scheduler's cost model sizes from
     these steps' CPU times (``blind``: not told which steps were decode-only, the model
-    before it kept them apart). One record per step: the chunk's position (-1: none), ms."""
+    before it kept them apart). One record per step: the chunk's position (-1: none), ms.
+    ``decode_every`` N: every N steps also a decode-only step the model does not see (the
+    scheduler sees none while a prompt is prefilled), and each chunk step's ``over_decode``
+    is its CPU time over the latest such step's: the streams' contexts grow with every step
+    here, so the decode steps before the prompt stop being the yardstick."""
     runner.reset()
     per = runner.blocks_for(stream_tokens(prompt, chunk))
     seqs = tuple(
@@ -149,11 +164,18 @@ def interference_steps(
     )
     records: list[dict[str, float]] = []
     done, step, context = -8, 1, 32
+    decode_cpu = 0.0
     while done < prompt:
+        if decode_every and done >= 0 and step % decode_every == 0:
+            started = time.process_time()
+            only = tuple(ScheduledSequence(s.seq_id, 1) for s in seqs)
+            runner.step(StepPlan(step, (), only))
+            decode_cpu, step, context = time.process_time() - started, step + 1, context + 1
         items = [ScheduledSequence(s.seq_id, 1) for s in seqs]
         new: tuple[NewSequence, ...] = ()
         decode_keys = 8 * (context + 1)
         size = chunk or cost.prefill_budget(8, 1, 8, max(done, 0), decode_keys)
+        bound = getattr(cost, "bound_seconds", None) if not chunk and done >= 0 else None
         n = min(size, prompt - done) if done >= 0 else 0
         if n:
             items.append(ScheduledSequence("p", n))
@@ -172,10 +194,57 @@ def interference_steps(
                 "wall_ms": wall * 1e3,
                 "cpu_ms": cpu * 1e3,
                 "gc_ms": GC.ms - collected,
+                # the step's CPU time over the time the cost model held it to
+                "over_bound": cpu / bound if bound else 0.0,
+                "over_decode": cpu / decode_cpu if decode_cpu and n else 0.0,
             }
         )
         done, step, context = (done + n if n else done + 1), step + 1, context + 1
     return records
+
+
+def attention_ms(loaded: LoadedModel, position: int) -> dict[str, float]:
+    """CPU ms of one layer's attention kernel (worker/kernels/attention.cpp) alone, as a step
+    calls it: 8 decode rows over 200 keys each, and chunks of 16, 64 and 256 rows after
+    ``position`` cached tokens (each row over its own keys, in place: no mask, no gather)."""
+    from worker import kernels
+
+    if not kernels.available():
+        return {}
+    kv_heads, dim = loaded.num_kv_heads, loaded.head_dim
+    heads = loaded.model.config.num_attention_heads
+    pool = torch.randn(2, kv_heads, position + 256 + 8 * 256, dim).to(loaded.dtype)
+
+    def timed(
+        rows: int, slots: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor | None
+    ) -> float:
+        q = torch.randn(rows, heads, dim).to(loaded.dtype)
+        out = q.new_empty(rows, heads * dim)
+        args = (out, q, pool, slots, lens, torch.arange(rows), dim**-0.5, tables)
+        torch.ops.canteen.paged_decode_into(*args)  # warm-up
+        reps = max(2, 512 // rows)
+        started = time.thread_time()
+        for _ in range(reps):
+            torch.ops.canteen.paged_decode_into(*args)
+        return (time.thread_time() - started) / reps * 1e3
+
+    first = position + 256
+    decode = torch.arange(first, first + 8 * 256).view(8, 256)
+    out = {"decode 8 x 200 keys": timed(8, decode, torch.full((8,), 200), None)}
+    for n in (16, 64, 256):
+        lens = torch.arange(position + 1, position + n + 1)
+        slots = torch.arange(position + n).view(1, -1)
+        out[f"chunk {n} at {position}"] = timed(n, slots, lens, torch.zeros(n, dtype=torch.long))
+    return out
+
+
+def warmup() -> dict[str, int]:
+    """The cost model's warm-up argument, in trees that have one."""
+    try:
+        from scheduler.cost import WARMUP_STEPS
+    except ImportError:
+        return {}
+    return {"warmup_steps": WARMUP_STEPS}
 
 
 def make_runner(loaded: LoadedModel, num_blocks: int) -> ModelRunner:
@@ -211,6 +280,15 @@ def main() -> None:
     parser.add_argument(
         "--no-freeze", action="store_true", help="leave the model's objects to the collector"
     )
+    parser.add_argument(
+        "--decode-every",
+        type=int,
+        default=0,
+        help="--interference: a decode-only yardstick step every N steps (see above)",
+    )
+    parser.add_argument(
+        "--attention", type=int, help="time the attention kernel alone at this position"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,6 +299,9 @@ def main() -> None:
     loaded = load_model(path, "gguf", "", device, dtype, False, quantization=quantization)
     batches = [int(b) for b in args.batches.split(",")]
     num_blocks = max(max(batches) * 4, -(-args.prompt // BLOCK) + 2)
+    if args.attention is not None:
+        print(json.dumps(attention_ms(loaded, args.attention)))
+        return
     if args.interference is not None:  # 8 decoding sequences beside the prompt
         num_blocks += 8 * (-(-stream_tokens(args.prompt, args.interference) // BLOCK))
     runner = make_runner(loaded, num_blocks)
@@ -229,11 +310,17 @@ def main() -> None:
         gc.freeze()
     out: dict[str, float] = {}
     if args.interference is not None:
-        cost = StepCostModel(max_stall=1.5, min_chunk=16)  # the scheduler's defaults
+        # the scheduler's defaults; like the scheduler, skip a fresh worker's first steps
+        cost = StepCostModel(max_stall=1.5, min_chunk=16, **warmup())
         with torch.inference_mode():
             for _ in range(args.repeat):
                 records = interference_steps(
-                    runner, args.prompt, args.interference, cost, args.blind_cost
+                    runner,
+                    args.prompt,
+                    args.interference,
+                    cost,
+                    args.blind_cost,
+                    args.decode_every,
                 )
                 only = [r["cpu_ms"] for r in records if r["n"] == 0]
                 chunks = [r["cpu_ms"] for r in records if r["n"]]
@@ -254,6 +341,17 @@ def main() -> None:
                             ]
                             / decode,
                             "worst_step_gc_ms": max(r["gc_ms"] for r in records),
+                            "worst_chunk_step_over_bound": max(r["over_bound"] for r in records),
+                            "p90_chunk_step_over_bound": sorted(
+                                r["over_bound"] for r in records if r["n"]
+                            )[len(chunks) * 9 // 10],
+                            "num_reanchored": getattr(cost, "num_reanchored", 0),
+                            "worst_chunk_step_over_decode_beside": max(
+                                r["over_decode"] for r in records
+                            ),
+                            "p90_chunk_step_over_decode_beside": sorted(
+                                r["over_decode"] for r in records if r["n"]
+                            )[len(chunks) * 9 // 10],
                             "steps_with_gc_over_20ms": sum(r["gc_ms"] > 20 for r in records),
                         }
                     )

@@ -56,7 +56,9 @@ class BatchScheduler:
         clock: Callable[[], float] = time.monotonic,
         max_loras: int | None = None,
         tiers: TierIndex | None = None,
+        cost_warmup_steps: int = 0,
     ) -> None:
+        """``cost_warmup_steps``: the worker's first steps, which the cost model skips."""
         self.kv = KVManager(pool, limits.watermark_blocks, tiers)
         # Most distinct adapters in the running batch (so in any step); None: no limit.
         self.max_loras = max_loras
@@ -79,7 +81,7 @@ class BatchScheduler:
         self._admit_counter = 0
         self._ticks = 0  # results applied so far
         self.cost = (
-            StepCostModel(limits.max_step_stall, limits.min_prefill_chunk)
+            StepCostModel(limits.max_step_stall, limits.min_prefill_chunk, cost_warmup_steps)
             if limits.max_step_stall
             else None
         )
@@ -185,7 +187,14 @@ class BatchScheduler:
             held = [*prefilling, *self.waiting]
             at = self._ahead(held[0]).num_scheduled if held else 0  # chunks in flight too
             bound = self.cost.budget(len(chosen), decoding, held, self._ticks, at)
-            log.debug("prefill bound", step_id=self.num_steps + 1, bound=bound, position=at)
+            limit = self.cost.bound_seconds  # the step time it holds to (None: probing)
+            log.debug(
+                "prefill bound",
+                step_id=self.num_steps + 1,
+                bound=bound,
+                position=at,
+                bound_ms=None if limit is None else round(limit * 1e3, 2),
+            )
             budget = min(budget, bound)
         budget = self._run(prefilling, budget, chosen, in_plan)
         budget = self._admit(budget, chosen)

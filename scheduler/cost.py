@@ -50,6 +50,22 @@ fit costs one step of twice the chunk, never a whole prompt at once; and a step 
 more than ``OUTLIER`` times what the model expects is not learned from unless the next ones
 agree (a busy host stalls single steps by 10x: that is not what the step costs, and a key
 term fitted to it would hold late chunks to a token a step).
+
+The fit is slow to follow a machine whose steps all got faster or slower at once: a worker's
+first steps build its kernels' shapes and run several times their warm cost, and a fit over
+the last ~30 steps keeps chunk estimates that high for a while (on the loaded Zen 4, steps
+that went from 40 to 18 ms of CPU left chunk steps at 2.3-2.9x the warm decode step). So the
+first ``warmup_steps`` a worker runs are not learned from at all, and ``DRIFT_RUN`` steps in a
+row that all ran more than ``DRIFT`` times faster or slower than estimated re-anchor the fit:
+every time it holds is scaled by their geometric mean ratio, which keeps the shape it learned
+(how a token and a key compare) and moves its scale to what the steps take now. The decode
+steps the bound is held against are averaged over the last few (``DECODE_DECAY``), since they
+say what a stream waits between tokens now.
+
+A chunk is sized for the bound less what chunk steps recently ran over their estimate: the
+mean, and once there were ``SPREAD_STEPS`` of them, one standard deviation more, since a
+stream sees its worst gap: steps that run 10% over and under their estimate in turn keep
+every step within the bound at the price of ~30% smaller chunks.
 """
 
 from __future__ import annotations
@@ -64,15 +80,24 @@ MIN_INDEPENDENCE = 0.1  # share of n's and k's variance not explained by each ot
 MIN_T = 2.0  # a key term within this many standard errors of zero is noise, not a cost
 OUTLIER = 3.0  # a step this many times slower than expected is suspect
 OUTLIER_RUN = 3  # ... unless this many in a row are: then the machine changed, learn them
+DRIFT = 1.5  # a step this many times faster or slower than estimated has drifted ...
+DRIFT_RUN = 3  # ... and this many in a row, on the same side, re-anchor the fit
+DECODE_DECAY = 0.7  # weight kept by the decode-only steps' sums: about the last 3 count
+SPREAD_STEPS = 8  # chunk steps (decayed) before their spread around the estimate counts
+WARMUP_STEPS = 4  # a worker's first steps, which build its kernels' shapes, are not learned
 
 
 class StepCostModel:
-    def __init__(self, max_stall: float, min_chunk: int) -> None:
+    def __init__(self, max_stall: float, min_chunk: int, warmup_steps: int = 0) -> None:
         if max_stall < 1:
             raise ValueError(f"max_stall={max_stall}: must be >= 1")
         if min_chunk < 1:
             raise ValueError(f"min_chunk={min_chunk}: must be >= 1")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
         self.max_stall = max_stall
+        self.warmup_steps = warmup_steps  # steps still to skip
+        self.bound_seconds: float | None = None  # the last budget's step time bound
         self.min_chunk = min_chunk
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self._k = self._kk = self._nk = self._kt = 0.0
@@ -81,10 +106,15 @@ class StepCostModel:
         self._slope: float | None = None  # b of the last trusted line
         self._key_slopes: tuple[float, float] | None = None  # b, c of the last trusted fit
         self._suspect: list[tuple[int, float, int]] = []
+        # the latest steps that drifted (held back until they make a run), each with its
+        # measured / estimated ratio
+        self._drift: list[tuple[tuple[int, float, int, bool | None], float]] = []
+        self.num_reanchored = 0
+        self.last_factor = 1.0  # the last re-anchor's scale
         # decayed sums of the decode-only steps: weight, tokens, keys, seconds
         self._decodes = (0.0, 0.0, 0.0, 0.0)
         # decayed sums of what steps with prompt tokens took over the line's estimate
-        self._excess = (0.0, 0.0)
+        self._excess = (0.0, 0.0, 0.0)  # and their squares
 
     def observe(
         self,
@@ -96,24 +126,73 @@ class StepCostModel:
         """One step's time: ``num_tokens`` computed, ``num_keys`` keys read by their queries;
         ``is_decode_only``: every sequence computed its one newest token (no prompt, no
         drafts), False: some prompt's tokens too, None: not told. A step over ``OUTLIER``
-        times its estimate waits until ``OUTLIER_RUN`` in a row."""
+        times its estimate waits until ``OUTLIER_RUN`` in a row; ``DRIFT_RUN`` in a row off
+        by ``DRIFT`` the same way re-anchor the fit first."""
+        if self.warmup_steps > 0:
+            self.warmup_steps -= 1
+            return
+        step = (num_tokens, seconds, num_keys, is_decode_only)
+        expected = self.estimate(num_tokens, num_keys)
+        ratio = 1.0 if expected is None or expected <= 0 else seconds / expected
+        if 1 / DRIFT <= ratio <= DRIFT:
+            self._flush_drift()
+            self._take(*step)
+            return
+        if self._drift and (self._drift[-1][1] > 1) != (ratio > 1):
+            self._flush_drift()  # drifted the other way: a new run
+        self._drift.append((step, ratio))
+        if len(self._drift) >= DRIFT_RUN:
+            ratios = [r for _, r in self._drift]
+            self._rescale(math.exp(sum(math.log(r) for r in ratios) / len(ratios)))
+            self._flush_drift()
+
+    def _flush_drift(self) -> None:
+        """Learns the drifted steps held back (after a re-anchor, or as a run that broke)."""
+        held, self._drift = self._drift, []
+        for step, _ in held:
+            self._take(*step)
+
+    def _take(
+        self, num_tokens: int, seconds: float, num_keys: int, is_decode_only: bool | None
+    ) -> None:
+        """observe's step, past the drift check: the outlier guard, then the sums."""
         expected = self.estimate(num_tokens, num_keys)
         if expected is None or seconds <= OUTLIER * expected:
             self._suspect.clear()  # the suspects before a step like this one were spikes
             self._learn(num_tokens, seconds, num_keys)
-            d = DECAY
             if is_decode_only:
-                w, n, k, t = self._decodes
+                d, (w, n, k, t) = DECODE_DECAY, self._decodes
                 self._decodes = (w * d + 1, n * d + num_tokens, k * d + num_keys, t * d + seconds)
             elif is_decode_only is not None and expected is not None:
-                w, excess = self._excess
-                self._excess = (w * d + 1, excess * d + seconds - expected)
+                d, (w, excess, squares) = DECAY, self._excess
+                over = seconds - expected
+                self._excess = (w * d + 1, excess * d + over, squares * d + over * over)
             return
         self._suspect.append((num_tokens, seconds, num_keys))
         if len(self._suspect) >= OUTLIER_RUN:
-            for step in self._suspect:
-                self._learn(*step)
+            for suspect in self._suspect:
+                self._learn(*suspect)
             self._suspect.clear()
+
+    def _rescale(self, factor: float) -> None:
+        """Every time the fit holds, times ``factor``: the same shape, another scale. What
+        chunk steps ran over the old estimates is forgotten (the next ones say it anew). The
+        decode steps measured stay as they were: the bound takes the lower of them and the
+        fit's decode step, so steps that all ran faster lower it at once, and chunk steps
+        that ran slower (maybe the chunks' cost alone: while a prompt is prefilled, no step
+        is decode-only) do not raise it."""
+        self._t *= factor
+        self._nt *= factor
+        self._kt *= factor
+        self._tt *= factor * factor
+        if self._slope is not None:
+            self._slope *= factor
+        if self._key_slopes is not None:
+            self._key_slopes = (self._key_slopes[0] * factor, self._key_slopes[1] * factor)
+        self._excess = (0.0, 0.0, 0.0)  # and their squares
+        self._suspect.clear()
+        self.num_reanchored += 1
+        self.last_factor = round(factor, 3)
 
     def measured_decode(self, num_decodes: int, decode_keys: int, b: float, c: float) -> float:
         """A decode-only step of ``num_decodes`` over ``decode_keys`` keys as the recent ones
@@ -123,12 +202,20 @@ class StepCostModel:
             return math.inf
         return (t + b * (num_decodes * w - n) + c * (decode_keys * w - k)) / w
 
-    def chunk_excess(self) -> float:
+    def chunk_excess(self, room: float = math.inf) -> float:
         """Seconds a step with prompt tokens recently took beyond the line's estimate (at
         least 0): the fixed cost of carrying a chunk, which a line through decode-only and
-        chunk steps alike spreads over its slopes."""
-        w, excess = self._excess
-        return max(excess / w, 0.0) if w else 0.0
+        chunk steps alike spreads over its slopes; once ``SPREAD_STEPS`` were seen, plus one
+        standard deviation of it, so that a chunk step that runs slow stays within the bound
+        too (the streams see the worst gap, not the mean one). The deviation counts for at
+        most half the ``room`` the bound leaves a chunk: on a busy host steps jitter by more
+        than the room, and a prompt a token a step would wait for minutes."""
+        w, excess, squares = self._excess
+        if not w:
+            return 0.0
+        mean = excess / w
+        spread = math.sqrt(max(squares / w - mean * mean, 0.0)) if w >= SPREAD_STEPS else 0.0
+        return max(mean + min(spread, room / 2), 0.0)
 
     def estimate(self, num_tokens: int, num_keys: int = 0) -> float | None:
         """Seconds a step of ``num_tokens`` over ``num_keys`` keys should take, or None while
@@ -240,16 +327,22 @@ class StepCostModel:
             a, b, c = with_keys
             decode = a + b * num_decodes + c * decode_keys
             measured = self.measured_decode(num_decodes, decode_keys, b, c)
-            extra = self.max_stall * ratio * min(decode, measured) - decode - self.chunk_excess()
+            reference = min(decode, measured)
+            self.bound_seconds = self.max_stall * ratio * reference
+            room = self.bound_seconds - reference
+            extra = self.bound_seconds - decode - self.chunk_excess(room)
             budget = largest_chunk(max(extra, 0.0), b, c, position)
             budget = min(budget, int(2 * ratio * self._last_budget))
         elif fitted is None:
             budget = int(self.min_chunk * ratio)  # small probes until the line is known
+            self.bound_seconds = None
         else:
             a, b = fitted
             decode = a + b * num_decodes
             measured = self.measured_decode(num_decodes, decode_keys, b, 0.0)
-            target = self.max_stall * ratio * min(decode, measured) - self.chunk_excess()
+            reference = min(decode, measured)
+            self.bound_seconds = self.max_stall * ratio * reference
+            target = self.bound_seconds - self.chunk_excess(self.bound_seconds - reference)
             budget = max(int((target - a) / b) - num_decodes, 1)
             budget = min(budget, int(2 * ratio * self._last_budget))
         # Noise may at most double the budget of the last step, whatever the ratio was.
@@ -278,7 +371,10 @@ class StepCostModel:
         # Asked every step, so that the noise guard knows the last step's bound.
         keys = sum(s.num_computed + 1 for s in decoding)
         bound = self.prefill_budget(num_decodes, len(held), protected, position, keys)
-        return bound if protected else UNBOUNDED
+        if not protected:
+            self.bound_seconds = None  # no step time bound holds this step
+            return UNBOUNDED
+        return bound
 
 
 def chunk_keys(num_tokens: int, position: int) -> int:

@@ -25,6 +25,7 @@ from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
+from scheduler.cost import WARMUP_STEPS
 from scheduler.sequence import Sequence
 from scheduler.subscriptions import EventSink
 from scheduler.tiers import TierIndex
@@ -122,6 +123,7 @@ class WorkerLink:
             desc.num_speculative_tokens,
             max_loras=desc.max_loras or None,
             tiers=tiers,
+            cost_warmup_steps=WARMUP_STEPS,  # a fresh worker's first steps build its kernels
         )
         self._queues: dict[str, EventSink] = {}
         self._wake = asyncio.Event()

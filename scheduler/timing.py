@@ -39,7 +39,10 @@ def observe_step(
             took_ms=round(seconds * 1e3, 2),
         )
         plain = is_decode_only and not result.num_draft_tokens
+        reanchored = cost.num_reanchored
         cost.observe(computed, seconds, num_keys, plain)
+        if cost.num_reanchored != reanchored:
+            log.debug("step cost re-anchored", step_id=plan.step_id, factor=cost.last_factor)
     drafted = any(s.num_draft_tokens for s in plan.scheduled)
     speculation.observe(
         len(plan.scheduled) if plan.kind == "decode" else 0,

@@ -11,7 +11,7 @@ from canteen.batching import BatchConfig
 from canteen.plan import StepPlan, StepResult
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.cost import StepCostModel, chunk_keys, largest_chunk
+from scheduler.cost import UNBOUNDED, StepCostModel, chunk_keys, largest_chunk
 from tests.unit.test_batcher import (
     BLOCK_SIZE,
     FakeWorker,
@@ -256,3 +256,124 @@ def test_the_bound_is_taken_from_the_decode_steps_measured() -> None:
     blind = slower_line_faster_decodes(None)
     assert blind.prefill_budget(8, position=0, decode_keys=800) == 12
     assert blind.prefill_budget(8, position=1900, decode_keys=800) == 6
+
+
+TAUGHT_STEPS = [(8, 800), (24, 1500), (8, 820), (40, 9000), (8, 840), (24, 30000), (72, 4000)]
+
+
+def prefill_from(
+    model: StepCostModel, position: int, speed: float, num_steps: int
+) -> tuple[list[int], float]:
+    """Chunk sizes the model gives a prompt from ``position`` on, next to 8 decodes over 800
+    keys, each chunk step taking ``speed`` times ``seconds``, and the slowest step over a
+    decode step at that speed."""
+    sizes: list[int] = []
+    worst = 0.0
+    for _ in range(num_steps):
+        n = model.prefill_budget(8, position=position, decode_keys=800)
+        took = speed * seconds(8 + n, 800 + chunk_keys(n, position))
+        model.observe(8 + n, took, 800 + chunk_keys(n, position), is_decode_only=False)
+        sizes.append(n)
+        worst = max(worst, took / (speed * seconds(8, 800)))
+        position += n
+    return sizes, worst
+
+
+def test_steps_twice_as_fast_as_a_cold_fit_re_anchor_it_within_three_steps() -> None:
+    """A cold worker's steps took twice their warm cost; then two warm decode-only steps,
+    and the prompt's chunk steps run warm too. The third step that ran under 1 / DRIFT of
+    its estimate re-anchors the fit, and chunks are what a model taught warm sizes."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, 2 * seconds(n, k), k, is_decode_only=n == 8)
+    for _ in range(2):
+        model.observe(8, seconds(8, 800), 800, is_decode_only=True)
+    # (The fit before re-anchoring, with the decode steps averaged over ~30, gave 5, 5, 5,
+    # 5, 4, 4: chunk steps of 1.21-1.27x where 1.5x was allowed.)
+    sizes, worst = prefill_from(model, 1000, 1.0, 6)
+    assert sizes == [8, 9, 9, 9, 9, 9]
+    assert worst == pytest.approx(1.4831, abs=1e-4)
+    assert model.num_reanchored == 1
+    # the bound is held against the warm decode step: 1.5 x 56.8 ms
+    assert model.prefill_budget(8, position=1053, decode_keys=800) == 9
+    assert model.bound_seconds == pytest.approx(1.5 * seconds(8, 800))
+
+
+def test_steps_twice_as_slow_as_the_fit_shrink_chunks_within_three_steps() -> None:
+    """The machine got twice as slow in the middle of a prompt (no decode-only step since):
+    after three chunk steps at twice their estimate, the fit is re-anchored and the bound
+    stays held against the decode steps last measured, so chunks drop to a token."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k, is_decode_only=n == 8)
+    sizes, worst = prefill_from(model, 1000, 2.0, 6)
+    assert sizes == [8, 8, 8, 1, 1, 1]
+    assert worst < 1.5  # against a decode step as slow as the machine now is
+    assert model.num_reanchored == 1
+
+
+def test_a_workers_first_steps_are_not_learned() -> None:
+    """The first ``warmup_steps`` (a fresh worker building its kernels' shapes, 10x slower
+    here) leave no trace: the chunks are those of a model that never saw them."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16, warmup_steps=4)
+    for n in (40, 8, 72, 8):
+        model.observe(n, 10 * seconds(n, 100 * n), 100 * n)
+    assert model.estimate(8, 800) is None
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k)
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 14
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 7
+    with pytest.raises(ValueError, match="warmup_steps=-1: must be >= 0"):
+        StepCostModel(max_stall=1.5, min_chunk=16, warmup_steps=-1)
+
+
+def test_chunk_steps_that_jitter_keep_their_spread_below_the_bound() -> None:
+    """Chunk steps that run 10% over and under their cost in turn (a mean the fit gets
+    right, a spread it does not): once SPREAD_STEPS of them were seen, the chunks leave room
+    for a standard deviation of it, and the slow half stays within the bound too."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k, is_decode_only=n == 8)
+    bound = 1.5 * seconds(8, 800)
+    sizes, over, position = [], [], 500
+    for i in range(40):
+        n = model.prefill_budget(8, position=position, decode_keys=800)
+        took = (1.1 if i % 2 else 0.9) * seconds(8 + n, 800 + chunk_keys(n, position))
+        model.observe(8 + n, took, 800 + chunk_keys(n, position), is_decode_only=False)
+        sizes.append(n)
+        over.append(took / bound)
+        position += n
+    # before: 10 tokens, and the slow steps ran up to 6.3% over the bound
+    assert sizes[:7] == [10] * 7
+    assert max(over[:7]) == pytest.approx(1.0633, abs=1e-4)
+    # after: 7 tokens, every step within it
+    assert sizes[7:] == [7] * 33
+    assert max(over[7:]) == pytest.approx(0.9862, abs=1e-4)
+
+
+def test_a_step_no_stream_is_protected_from_has_no_time_bound() -> None:
+    """With no stream streaming before the held prompt arrived, the step is unbounded here,
+    and the time bound logged with it (bound_ms) is None, not the last step's."""
+    model = taught_at(1.5)
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 14
+    assert model.bound_seconds == pytest.approx(1.5 * seconds(8, 800))
+    held = [make_seq("long", 2000, 4)]
+    assert model.budget(0, [], held, tick=0) == UNBOUNDED
+    assert model.bound_seconds is None
+
+
+def test_a_spread_wider_than_the_room_halves_chunks_at_most() -> None:
+    """Chunk steps at 160% and 40% of their cost in turn (a busy host): the spread counts
+    for half the room the bound leaves, so chunks of ~10 tokens become 4-5, not 1."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k, is_decode_only=n == 8)
+    sizes, position = [], 500
+    for i in range(40):
+        n = model.prefill_budget(8, position=position, decode_keys=800)
+        took = (1.6 if i % 2 else 0.4) * seconds(8 + n, 800 + chunk_keys(n, position))
+        model.observe(8 + n, took, 800 + chunk_keys(n, position), is_decode_only=False)
+        sizes.append(n)
+        position += n
+    assert sizes[:8] == [10, 10, 9, 9, 10, 9, 10, 9]
+    assert sizes[8] == 6 and set(sizes[9:]) == {4, 5}
