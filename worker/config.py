@@ -130,7 +130,8 @@ class WorkerConfig(InternalLinkOptions):
         NARROW_STEP_ROWS,
         "steps of at most this many token rows (a stream or two decoding) compute on one torch "
         "thread, leaving the other cores to gRPC and the edge; wider steps use --threads; the "
-        "tokens are the same either way; 0: every step on --threads",
+        "tokens are the same either way; 0 (the default): every step on --threads; helps only "
+        "where other work loads the cores (docs/speed-history.md)",
         at_least(0),
     )
     grammar_compile_timeout: float = option(

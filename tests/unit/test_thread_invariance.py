@@ -128,11 +128,11 @@ def test_narrow_steps_run_on_one_thread_and_wider_ones_on_all() -> None:
         StepThreads(narrow_rows=-1)
 
 
-def test_the_worker_runs_one_row_steps_on_one_thread_by_default(
+def test_one_thread_for_narrow_steps_is_off_by_default_and_refuses_a_negative_count(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert parse_config(WorkerConfig, [], env={}).narrow_step_rows == 1
-    assert parse_config(WorkerConfig, ["--narrow-step-rows", "0"], env={}).narrow_step_rows == 0
+    assert parse_config(WorkerConfig, [], env={}).narrow_step_rows == 0
+    assert parse_config(WorkerConfig, ["--narrow-step-rows", "1"], env={}).narrow_step_rows == 1
     with pytest.raises(SystemExit):
         parse_config(WorkerConfig, ["--narrow-step-rows", "-1"], env={})
     assert "narrow_step_rows=-1: must be >= 0" in capsys.readouterr().err

@@ -21,8 +21,12 @@ import torch
 
 from worker import kernels
 
-# The worker's default (--narrow-step-rows): one stream decoding.
-NARROW_STEP_ROWS = 1
+# The worker's default (--narrow-step-rows): off. On a quiet AMD EPYC Zen 4 (2 cores,
+# 2026-12-06 10:34, `bench/q4.py --streams 1,16,32 --tokens 64 --rounds 2 --variant
+# "--narrow-step-rows 0"`) one thread for one-row steps lost at one stream (91.7 and 103.3
+# tok/s against 100.0 and 116.2 with it off) and at 32 streams (470 and 452 against 483 and
+# 505); it won only on a host loaded by other work (docs/speed-history.md).
+NARROW_STEP_ROWS = 0
 
 
 class StepThreads:
