@@ -79,6 +79,9 @@ CANTEEN_METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "canteen_worker_kv_cache_bytes": ("worker", "gauge", ("model", "version")),
     "canteen_worker_memory_budget_bytes": ("worker", "gauge", ("model", "version")),
     "canteen_worker_sequences": ("worker", "gauge", ("model", "version")),
+    "canteen_worker_step_cpu_seconds": ("worker", "histogram", ("model", "version", "kind")),
+    "canteen_worker_idle_seconds": ("worker", "histogram", ("model", "version", "cause")),
+    "canteen_worker_deferred_rows_total": ("worker", "counter", ("model", "version")),
     # registry
     "canteen_registry_models": ("registry", "gauge", ()),
     "canteen_registry_aliases": ("registry", "gauge", ()),

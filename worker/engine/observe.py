@@ -79,6 +79,7 @@ class WorkerMetrics:
             labels,
             registry=registry,
         )
+        self.deferred_rows.labels(*self._labels)  # exported at 0 before the first deferral
         self.sequences = Gauge(
             "canteen_worker_sequences", "Sequences held on the worker", labels, registry=registry
         )
