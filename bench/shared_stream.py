@@ -16,16 +16,25 @@ message after a request's first; the shared stream honours it, a per-request str
 every step). ``--modes shared`` runs one side only; ``--modes shared,subscribe`` compares
 requests as messages against a call each.
 
+``--modes http`` adds a gateway (shared stream) read over HTTP: the same streams as
+server-sent events from ``/v1/chat/completions``, to compare the gRPC-facing side of the
+gateway with the HTTP one (``bench/http_vs_grpc.py`` does so on SmolLM2). Every run also
+prints how many messages (gRPC) or events (HTTP) the client read per token:
+``msgs_per_token`` (1.0 at stream interval 1 when every step reached the client alone).
+
 ``--tiny`` serves a tiny random model (steps of about a millisecond, the regime of a GPU
 worker, where the edge services bound the suite); the default is SmolLM2 on the CPU.
 
 Usage: python bench/shared_stream.py [--streams 16,32] [--tokens 64] [--rounds 2] [--tiny]
-       [--stream-interval 1] [--modes shared,subscribe,per-request]
+       [--stream-interval 1] [--modes shared,subscribe,per-request,http]
+A short run: --tiny --streams 32 --rounds 1 --modes shared.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import contextlib
 import json
 import statistics
@@ -34,6 +43,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -41,10 +51,10 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import NicedClient, questions
-from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
+from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.suite import Service, Suite, wait_serving
 
-MODES = ("shared", "subscribe", "per-request")
+MODES = ("shared", "subscribe", "per-request", "http")
 
 
 @contextlib.contextmanager
@@ -68,7 +78,12 @@ def two_gateways(
         flags = ("--stream-interval", str(interval))
         gateways = {
             mode: suite.start_gateway(
-                registry, scheduler, "--scheduler-stream", mode, *flags, name=mode
+                registry,
+                scheduler,
+                "--scheduler-stream",
+                "shared" if mode == "http" else mode,
+                *flags,
+                name=mode,
             )
             for mode in modes
         }
@@ -90,13 +105,85 @@ def num_steps(scheduler: Service) -> int:
     return sum(w.num_steps for w in stats.workers)
 
 
+def grpc_run(address: str, texts: list[str], tokens: int) -> tuple[float, int]:
+    """Tokens per second of ``texts`` streamed at once over gRPC, and the messages read
+    (every call is sent before any is read, as ``bench.throughput.suite_run`` does)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        requests = []
+        for text in texts:
+            req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
+            req.messages.messages.add(role="user", content=text)
+            requests.append(req)
+
+        def read(call: Any) -> tuple[int, int]:
+            counts = [len(m.token_ids) for m in call]
+            return sum(counts), len(counts)
+
+        start = time.perf_counter()
+        calls = [stub.Generate(req, timeout=900) for req in requests]
+        with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+            read_back = list(pool.map(read, calls))
+    produced = sum(n for n, _ in read_back)
+    assert produced == len(texts) * tokens, produced
+    return produced / (time.perf_counter() - start), sum(m for _, m in read_back)
+
+
+def http_run(url: str, texts: list[str], tokens: int) -> tuple[float, int]:
+    """The same over HTTP: server-sent events of /v1/chat/completions, and the text events
+    read (the usage and [DONE] events not counted)."""
+    import aiohttp
+
+    async def main() -> tuple[float, int]:
+        async with aiohttp.ClientSession() as session:
+
+            async def one(text: str) -> tuple[int, int]:
+                body = {
+                    "messages": [{"role": "user", "content": text}],
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                completion = events = 0
+                async with session.post(f"{url}/v1/chat/completions", json=body) as reply:
+                    async for line in reply.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if chunk.get("usage"):
+                            completion = chunk["usage"]["completion_tokens"]
+                        elif chunk.get("choices"):
+                            events += 1
+                return completion, events
+
+            start = time.perf_counter()
+            read_back = await asyncio.gather(*(one(text) for text in texts))
+            produced = sum(n for n, _ in read_back)
+            assert produced == len(texts) * tokens, produced
+            return produced / (time.perf_counter() - start), sum(m for _, m in read_back)
+
+    return asyncio.run(main())
+
+
 def run(
-    client: NicedClient, scheduler: Service, gateway: Service, streams: int, tokens: int, tag: str
+    client: NicedClient,
+    scheduler: Service,
+    gateway: Service,
+    streams: int,
+    tokens: int,
+    tag: str,
+    is_http: bool = False,
 ) -> dict[str, float]:
     steps = num_steps(scheduler)
     before = cpu(scheduler), cpu(gateway)
     started = time.perf_counter()
-    tps = client.run(gateway.address, questions(streams, tag), tokens)
+    texts = questions(streams, tag)
+    if is_http:
+        tps, messages = client.submit(http_run, gateway.http_url, texts, tokens)
+    else:
+        tps, messages = client.submit(grpc_run, gateway.address, texts, tokens)
     wall = time.perf_counter() - started
     used = cpu(scheduler) - before[0], cpu(gateway) - before[1]
     steps = max(num_steps(scheduler) - steps, 1)
@@ -108,6 +195,7 @@ def run(
         "gateway_us": round(1e6 * used[1] / made, 1),
         "steps": steps,
         "scheduler_us_per_step": round(1e6 * used[0] / steps, 1),
+        "msgs_per_token": round(messages / made, 3),
     }
 
 
@@ -148,13 +236,16 @@ def main() -> None:
         with setup as (scheduler, gateways):
             client = NicedClient()
             for mode in modes:  # warm both: tokenizer, channels, the shared stream
-                client.run(gateways[mode].address, questions(widest, f"warm-{mode}"), 16)
+                run(client, scheduler, gateways[mode], widest, 16, f"warm-{mode}", mode == "http")
             for r in range(args.rounds):
                 order = modes if r % 2 == 0 else modes[::-1]
                 for streams in (int(s) for s in args.streams.split(",")):
                     for mode in order:
                         tag = f"r{r}-{mode}"
-                        row = run(client, scheduler, gateways[mode], streams, args.tokens, tag)
+                        gateway = gateways[mode]
+                        row = run(
+                            client, scheduler, gateway, streams, args.tokens, tag, mode == "http"
+                        )
                         found.setdefault((mode, streams), []).append(row)
                         line = {"round": r, "mode": mode, "streams": streams, **row}
                         print(json.dumps({**line, "stream_interval": args.stream_interval}))
@@ -168,11 +259,12 @@ def main() -> None:
             "scheduler_us": {m: medians[m]["scheduler_us"] for m in modes},
             "gateway_us": {m: medians[m]["gateway_us"] for m in modes},
             "scheduler_us_per_step": {m: medians[m]["scheduler_us_per_step"] for m in modes},
+            "msgs_per_token": {m: medians[m]["msgs_per_token"] for m in modes},
             "edge_us": {
                 m: round(medians[m]["scheduler_us"] + medians[m]["gateway_us"], 1) for m in modes
             },
         }
-        for other in ("subscribe", "per-request"):
+        for other in ("subscribe", "per-request", "http"):
             if {"shared", other} <= set(modes):
                 ratio = medians["shared"]["tok_s"] / medians[other]["tok_s"]
                 summary[f"shared_over_{other.replace('-', '_')}"] = round(ratio, 3)

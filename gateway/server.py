@@ -202,46 +202,53 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         await context.send_initial_metadata((("x-request-id", request_id),))
         return principal
 
-    async def _stream(
+    async def _open(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[TextDelta]:
+    ) -> tuple[str, AsyncIterator[TextDelta]]:
+        """The request admitted: its id, and the service's stream of its deltas (iterated
+        by the handler itself: every generator a message passes through costs on the
+        per-token path)."""
         principal = await self._begin(context)
         request_id = str(structlog.contextvars.get_contextvars()["request_id"])
         metadata = dict(context.invocation_metadata() or ())
-        try:
-            inp = input_from_pb(request, request_id, str(metadata.get("traceparent", "")))
-            async for delta in self._service.generate(inp, context.time_remaining(), principal):
-                yield delta
-        except RateLimitedError as exc:
-            await _abort_limited(context, exc)
-        except Exception as exc:
-            await _abort_known(context, exc)
+        inp = input_from_pb(request, request_id, str(metadata.get("traceparent", "")))
+        admitted = await self._service.admit(inp, principal)
+        return request_id, self._service.stream(admitted, context.time_remaining())
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
-        request_id = ""
-        async for delta in self._stream(request, context):
-            request_id = request_id or str(structlog.contextvars.get_contextvars()["request_id"])
-            yield response_of(request_id, delta)
+        try:
+            request_id, deltas = await self._open(request, context)
+            async for delta in deltas:
+                yield response_of(request_id, delta)
+        except RateLimitedError as exc:
+            await _abort_limited(context, exc)
+        except Exception as exc:
+            await _abort_known(context, exc)
 
     async def Complete(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CompleteResponse:
         response = inference_pb2.CompleteResponse()
         texts: list[str] = []
-        async for delta in self._stream(request, context):
-            texts.append(delta.text)
-            response.token_ids.extend(delta.token_ids)
-            response.model = delta.model
-            response.tool_calls.extend(_calls_to_pb(delta.tool_calls))
-            if delta.finish_reason is not None:
-                response.finish_reason = finish_to_pb(delta.finish_reason)
-                usage = _usage_to_pb(delta)
-                if usage is not None:
-                    response.usage.CopyFrom(usage)
+        try:
+            response.id, deltas = await self._open(request, context)
+            async for delta in deltas:
+                texts.append(delta.text)
+                response.token_ids.extend(delta.token_ids)
+                response.model = delta.model
+                response.tool_calls.extend(_calls_to_pb(delta.tool_calls))
+                if delta.finish_reason is not None:
+                    response.finish_reason = finish_to_pb(delta.finish_reason)
+                    usage = _usage_to_pb(delta)
+                    if usage is not None:
+                        response.usage.CopyFrom(usage)
+        except RateLimitedError as exc:
+            await _abort_limited(context, exc)
+        except Exception as exc:
+            await _abort_known(context, exc)
         response.text = "".join(texts)
-        response.id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
         return response
 
     async def Tokenize(

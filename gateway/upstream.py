@@ -27,7 +27,9 @@ import grpc
 from canteen.logging import get_logger
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from gateway.upstream_connect import (
+    Inbox,
     Outbox,
+    Pending,
     Response,
     Tokens,
     deadline_exceeded,
@@ -56,12 +58,12 @@ class Feed:
         self.id, self.call = subscription_id, call
         self.outbox = outbox  # a Connect stream's: requests go up it
         self.is_stale = False  # the scheduler refused a request as draining: open anew
-        self.inboxes: dict[int, asyncio.Queue[_Item]] = {}
+        self.inboxes: dict[int, Inbox[_Item]] = {}
         self.error: grpc.aio.AioRpcError | None = None
         self.reader: asyncio.Task[None] | None = None
 
-    def attach(self, tag: int) -> asyncio.Queue[_Item]:
-        inbox: asyncio.Queue[_Item] = asyncio.Queue()
+    def attach(self, tag: int) -> Inbox[_Item]:
+        inbox: Inbox[_Item] = Inbox()
         self.inboxes[tag] = inbox
         return inbox
 
@@ -314,7 +316,7 @@ class SchedulerClient:
         return feed
 
 
-def _caught_up(response: Response, inbox: asyncio.Queue[_Item]) -> tuple[Response, _Item | None]:
+def _caught_up(response: Response, inbox: Pending[_Item]) -> tuple[Response, _Item | None]:
     """``response`` and the responses queued behind it as one message, and the first other
     item met on the way, kept for after it. A request that fell behind the steps (its
     caller reads slower than the worker makes tokens) then costs one message downstream,

@@ -13,13 +13,17 @@ along for the scheduler's own; leaving early sends a ``cancel``, which frees the
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
 from canteen.v1 import common_pb2, scheduler_pb2
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 _FINAL = grpc.aio.Metadata(("canteen-final", "1"))
 
 
@@ -123,3 +127,44 @@ def unpack(batch: scheduler_pb2.ScheduleBatch) -> list[tuple[int, Tokens]]:
         entries.append((tag, Tokens(ids[start:end], logprobs[start:end])))
         start = end
     return entries
+
+
+class Inbox(Generic[T]):
+    """One request's items from the shared stream's reader, read by the request alone.
+    An ``asyncio.Queue`` without what this path never uses (task accounting, bounds,
+    several readers): a put and a get cost a message of every request at every step."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: T) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> T:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def get_nowait(self) -> T:
+        """The oldest item; IndexError when there is none (check ``empty`` first)."""
+        return self._items.popleft()
+
+    def empty(self) -> bool:
+        return not self._items
+
+
+class Pending(Protocol[T_co]):
+    """What ``gateway.upstream._caught_up`` reads of an inbox (an ``Inbox`` or a Queue)."""
+
+    def empty(self) -> bool: ...
+    def get_nowait(self) -> T_co: ...

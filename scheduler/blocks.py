@@ -23,6 +23,9 @@ from collections import OrderedDict, deque
 
 # The most blocks one worker's pool may have: the mirror holds a list entry per block.
 MAX_NUM_BLOCKS = 1 << 21
+# state_map: a block's character from whether it is referenced (0 or 1), and a cached one's
+_STATE_OF_REFERENCED = bytes.maketrans(b"\x00\x01", b".U")
+_CACHED = ord("C")
 
 
 def chain_key(parent: bytes, tokens: list[int]) -> bytes:
@@ -72,11 +75,13 @@ class BlockPool:
         return self._refs[block]
 
     def state_map(self) -> str:
-        """One character per block: 'U' referenced, 'C' free with a cached prefix, '.' free."""
-        return "".join(
-            "U" if refs else ("C" if block in self._evictable else ".")
-            for block, refs in enumerate(self._refs)
-        )
+        """One character per block: 'U' referenced, 'C' free with a cached prefix, '.' free.
+        Built with a pass in C over the references (a status page polls it every second,
+        and a pool has up to millions of blocks), then the evictable ones marked."""
+        states = bytearray(bytes(map(bool, self._refs)).translate(_STATE_OF_REFERENCED))
+        for block in self._evictable:
+            states[block] = _CACHED
+        return states.decode("ascii")
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
