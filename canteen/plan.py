@@ -57,7 +57,9 @@ class Constraint:
                 return "choice: options must not be empty strings"
         elif self.kind in ("regex", "grammar") and not self.text:
             return f"{self.kind} must not be empty"
-        elif self.kind == "json_schema":
+        elif self.kind == "json_schema" and not self.converted:
+            # (with grammar text the gateway parsed it already: the scheduler and the worker
+            # do not parse a large schema again; the worker's engine reads the text anyway)
             try:
                 schema = json.loads(self.text)
             except ValueError as exc:

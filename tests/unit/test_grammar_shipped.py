@@ -119,3 +119,11 @@ def test_the_grammar_text_travels_between_services_but_never_from_a_client() -> 
     request.constraint.grammar_text = '{"grammars": [{"lark_grammar": "start: \\"pwned\\""}]}'
     public = sampling_from_request(request).constraint
     assert public == Constraint("regex", "[0-9]+") and public.converted == ""
+
+
+def test_a_schema_with_the_gateways_text_is_not_parsed_again_between_services() -> None:
+    assert Constraint("json_schema", "{oops").problem() == (
+        "json_schema is not valid JSON: Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1)"
+    )
+    assert Constraint("json_schema", "{oops", converted="{}").problem() is None
