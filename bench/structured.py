@@ -18,7 +18,8 @@ the ``openai`` client, in phases on one suite:
    - fresh: each stream with its schema made new to the suite for this round: a
      ``"$comment"`` naming the round is added at the schema's top (an annotation: the
      language, and so the tokens, do not change, but the gateway's and the worker's compile
-     caches are keyed by the schema's text, so both compile it again);
+     caches are keyed by the schema's text, so the gateway converts it to grammar text
+     again and the worker compiles that text again);
    - steady: each stream with its schema as phase 2 sent it (compiled by then).
    Tokens/s of a phase: the sum of its streams' tokens over the phase's wall time.
    ``tps_ratio`` (THE figure, the one the issue's target reads) is the median over rounds of

@@ -1,10 +1,13 @@
 """Constraints compiled by a maintained grammar engine (llguidance), cached by content.
 
-The gateway compiles a request's constraint with the model's tokenizer before any token is
-made (on a preparation thread, never on its event loop), so a bad schema or grammar is
-refused with the engine's reason; the worker builds its matcher straight from the grammar
-text (one compile there, not a check and then a build), on its compile threads while its
-steps run; callers that want a constraint already being built wait for that one build.
+The gateway converts a request's constraint to the engine's grammar text before any token
+is made (on a preparation thread, never on its event loop), so a schema the converter
+refuses is refused with its reason, and ships that text with the request; the worker builds
+its matcher straight from it (the one tokenizer-level compile of the grammar, on its compile
+threads while its steps run), and a grammar it refuses there fails the request before its
+first token with the engine's reason. Callers that want a constraint already being built
+wait for that one build. ``compile`` (convert and check) stays for tools' parameters, whose
+refusal the gateway names by field.
 Each process keeps the compiled grammar in an LRU keyed by the constraint itself, so a schema
 seen before costs a dictionary lookup; the worker also keeps a matcher built once per
 constraint and hands each sequence a copy of it. Compiles run under the engine's resource
@@ -62,7 +65,7 @@ def grammar_text(constraint: Constraint) -> str:
     try:
         if constraint.kind == "json_object":
             return matcher.grammar_from_json_schema({"type": "object"}, JSON_STYLE)
-        if constraint.kind == "json_schema":
+        if constraint.kind == "json_schema":  # as text: the engine reads it 3x faster
             return matcher.grammar_from_json_schema(_closed(constraint.text), JSON_STYLE)
         if constraint.kind == "regex":
             return matcher.grammar_from_regex(ascii_classes(constraint.text))
@@ -75,14 +78,28 @@ def grammar_text(constraint: Constraint) -> str:
     raise ConstraintError(f"constraint kind {constraint.kind!r} is not known")
 
 
-def _closed(schema_text: str) -> Any:
-    """The schema with the defaults of canteen/json_defaults.py; text that is not JSON goes to
-    the engine as it is, which names the error."""
+def _converted(constraint: Constraint) -> str | ConstraintError:
+    """``constraint``'s grammar text, or why not; a regex is also parsed (without the
+    tokenizer: microseconds), since a malformed one is a client's common mistake."""
+    try:
+        grammar = grammar_text(constraint)
+    except ConstraintError as exc:
+        return exc
+    if constraint.kind == "regex":
+        error = llguidance.LLMatcher.validate_grammar(grammar)
+        if error:
+            return ConstraintError(f"{constraint.kind}: {_short(error)}")
+    return grammar
+
+
+def _closed(schema_text: str) -> str:
+    """The schema, as JSON text, with the defaults of canteen/json_defaults.py; text that is
+    not JSON goes to the engine as it is, which names the error."""
     try:
         schema = json.loads(schema_text)
     except ValueError:
         return schema_text
-    return engine_schema(schema)
+    return json.dumps(engine_schema(schema))
 
 
 class GrammarCompiler:
@@ -103,6 +120,8 @@ class GrammarCompiler:
         self.limits = limits
         self._lock = threading.Lock()
         self._cache: OrderedDict[Constraint, str | ConstraintError] = OrderedDict()
+        # grammar text not yet checked against the tokenizer (``convert``), or the refusal
+        self._converted: OrderedDict[Constraint, str | ConstraintError] = OrderedDict()
         # one matcher per constraint at its grammar's start, never advanced: copied per use
         self._starts: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._building: dict[Constraint, Future[llguidance.LLMatcher]] = {}
@@ -121,12 +140,32 @@ class GrammarCompiler:
             raise found
         return found
 
+    def convert(self, constraint: Constraint) -> str:
+        """``constraint`` as the engine's grammar text, converted once per content (cached,
+        refusals too); raises ConstraintError with the converter's reason. Not checked
+        against the tokenizer: the gateway ships this text and the worker's matcher build
+        checks it (one compile per process that uses the grammar, not a check and a build).
+        Counted in ``canteen_grammar_compiles_total`` as a compile."""
+        with self._lock:
+            found = _lookup(self._converted, constraint)
+        if found is None:
+            found = _converted(constraint)
+            outcome = "refused" if isinstance(found, ConstraintError) else "compiled"
+            GRAMMAR_COMPILES.labels(constraint.kind, outcome).inc()
+            with self._lock:
+                _store(self._converted, constraint, found)
+        if isinstance(found, ConstraintError):
+            raise found
+        return found
+
     def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
         """A fresh matcher at the start of ``constraint``'s grammar; raises ConstraintError.
 
         Built straight from the grammar text (the matcher reports what ``compile`` would
         refuse), so a process that never validated the constraint compiles it once, not
-        twice. Callers asking for a constraint that another thread is building wait for that
+        twice: the text the constraint carries (``converted``, shipped by the gateway), else
+        converted here. A refusal is kept by content: the same constraint is refused again
+        at once. Callers asking for a constraint that another thread is building wait for that
         build rather than repeat it."""
         with self._lock:
             start = _lookup(self._starts, constraint)
@@ -163,9 +202,11 @@ class GrammarCompiler:
         if isinstance(known, ConstraintError):
             raise known
         try:
-            grammar = known or grammar_text(constraint)
-        except ConstraintError:
+            grammar = known or constraint.converted or grammar_text(constraint)
+        except ConstraintError as exc:
             GRAMMAR_COMPILES.labels(constraint.kind, "refused").inc()
+            with self._lock:
+                _store(self._cache, constraint, exc)
             raise
         # the engine builds its parser with the GIL released
         start = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits)
@@ -173,7 +214,10 @@ class GrammarCompiler:
             outcome = "refused" if start.is_error() else "compiled"
             GRAMMAR_COMPILES.labels(constraint.kind, outcome).inc()
         if start.is_error():
-            raise ConstraintError(f"{constraint.kind}: {_short(start.get_error())}")
+            refusal = ConstraintError(f"{constraint.kind}: {_short(start.get_error())}")
+            with self._lock:
+                _store(self._cache, constraint, refusal)
+            raise refusal
         with self._lock:
             _store(self._starts, constraint, start)
         return start

@@ -32,12 +32,16 @@ class Constraint:
     """What the output must match, as the client wrote it (compiled by canteen/grammar.py).
 
     ``text`` is the JSON schema, regex or grammar; ``choices`` the options of a choice; a
-    ``json_object`` constraint has neither.
+    ``json_object`` constraint has neither. ``converted`` is the same constraint as the
+    grammar engine's text, set by the gateway (which converts each constraint once) for the
+    worker to build its matcher from; "" where no gateway converted it (the worker converts).
+    It is derived from the rest, so equality and hashing (the compile caches' keys) ignore it.
     """
 
     kind: str
     text: str = ""
     choices: tuple[str, ...] = ()
+    converted: str = field(default="", compare=False, repr=False)
 
     def problem(self) -> str | None:
         """Shape errors only (kind, sizes, JSON syntax); the grammar engine checks the rest."""
@@ -53,7 +57,9 @@ class Constraint:
                 return "choice: options must not be empty strings"
         elif self.kind in ("regex", "grammar") and not self.text:
             return f"{self.kind} must not be empty"
-        elif self.kind == "json_schema":
+        elif self.kind == "json_schema" and not self.converted:
+            # (with grammar text the gateway parsed it already: the scheduler and the worker
+            # do not parse a large schema again; the worker's engine reads the text anyway)
             try:
                 schema = json.loads(self.text)
             except ValueError as exc:

@@ -8,11 +8,12 @@ and the rate-limit reservation. What passes is an ``Admitted`` request, ready to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from canteen.auth import ANONYMOUS, Principal
 from canteen.grammar import ConstraintError
+from canteen.plan import Constraint
 from gateway.catalog import ModelCatalog, ModelVersion
 from gateway.config import GatewayConfig
 from gateway.errors import InvalidInputError, status_of
@@ -107,11 +108,13 @@ class Admission:
             tokenizer = await self.tokenizers.get(model)
             prepare = partial(prepare_prompt, first, tokenizer, self.screen)
             if _is_small(first):  # a millisecond's work: never queued behind a large one
-                ids = prepare()
+                ids, constraint = prepare()
             else:
-                ids = await self.pool.run(
+                ids, constraint = await self.pool.run(
                     "preparing the prompt (tokenize, chat template, grammars)", prepare
                 )
+            if constraint is not None:  # with its grammar text, for the worker
+                inputs = [with_constraint(inp, constraint) for inp in inputs]
             check_prompt_tokens(first, model, tokenizer, ids, self.config.max_prompt_tokens)
             max_tokens = first.max_tokens or min(
                 model.max_model_len - len(ids),
@@ -168,9 +171,16 @@ def check_messages_chars(inp: GenerateInput) -> int:
     return sum(len(str(m.get("content", ""))) for m in inp.messages or ())
 
 
-def prepare_prompt(inp: GenerateInput, tokenizer: Tokenizer, screen: Screen | None) -> list[int]:
+def with_constraint(inp: GenerateInput, constraint: Constraint) -> GenerateInput:
+    return replace(inp, sampling=replace(inp.sampling, constraint=constraint))
+
+
+def prepare_prompt(
+    inp: GenerateInput, tokenizer: Tokenizer, screen: Screen | None
+) -> tuple[list[int], Constraint | None]:
     """The CPU-heavy part, on a preparation thread: the prompt's token ids (the chat
-    template rendered), every grammar compiled, the content screen on what the model reads."""
+    template rendered), every grammar converted (the output constraint returned with its
+    grammar text), the content screen on what the model reads."""
     try:
         if inp.prompt is not None:
             text, ids = inp.prompt, tokenizer.encode(inp.prompt)
@@ -181,7 +191,7 @@ def prepare_prompt(inp: GenerateInput, tokenizer: Tokenizer, screen: Screen | No
         raise InvalidInputError(str(exc)) from exc
     if not ids:
         raise InvalidInputError("the prompt is empty after tokenization")
-    check_grammars(inp, tokenizer)
+    constraint = check_grammars(inp, tokenizer)
     if screen is not None:
         reason = screen_prompt(screen, inp.prompt, inp.messages)
         if reason is None and inp.messages is not None:
@@ -190,22 +200,25 @@ def prepare_prompt(inp: GenerateInput, tokenizer: Tokenizer, screen: Screen | No
             reason = None if found is None else f"the rendered chat prompt: {found}"
         if reason is not None:
             raise InvalidInputError(reason)
-    return ids
+    return ids, constraint
 
 
-def check_grammars(inp: GenerateInput, tokenizer: Tokenizer) -> None:
-    """Compiles each tool's parameters and the output constraint; refuses naming the field."""
+def check_grammars(inp: GenerateInput, tokenizer: Tokenizer) -> Constraint | None:
+    """Compiles each tool's parameters (refused naming the field) and converts the output
+    constraint (a forced tool call's grammar included) to the grammar text it returns it
+    with: the worker's compile of that text is the one tokenizer-level check it gets."""
     offered = inp.tools.functions if inp.tools is not None and inp.tools.is_offered else ()
     for i, function in enumerate(offered):
         try:
-            tokenizer.check_constraint(parameters_constraint(function))
+            tokenizer.check_parameters(parameters_constraint(function))
         except ConstraintError as exc:
             raise InvalidInputError(f"tools[{i}].function.parameters: {exc}") from None
-    if (constraint := inp.sampling.constraint) is not None:
-        try:
-            tokenizer.check_constraint(constraint)
-        except ConstraintError as exc:
-            raise InvalidInputError(str(exc)) from None
+    if (constraint := inp.sampling.constraint) is None:
+        return None
+    try:
+        return tokenizer.check_constraint(constraint)
+    except ConstraintError as exc:
+        raise InvalidInputError(str(exc)) from None
 
 
 def check_prompt_tokens(

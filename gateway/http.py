@@ -17,7 +17,7 @@ import hashlib
 import json
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -46,6 +46,7 @@ from gateway.service import Admitted, InferenceService, choose_request_id
 from gateway.status import status_routes
 
 log = get_logger(__name__)
+T = TypeVar("T")
 # Served without an API key: probes, Prometheus and the status page.
 _OPEN_PATHS = frozenset({"/healthz", "/metrics", "/status", "/status.json"})
 # What the service looks like inside (batches, request labels, metrics): an admin key's,
@@ -232,6 +233,12 @@ class HttpEdge:
     async def _stream(
         self, request: web.Request, req: OpenAIRequest, admitted: list[Admitted]
     ) -> web.StreamResponse:
+        events = self._merged(admitted)
+        head: tuple[int, TextDelta, bool] | None = None
+        if any(a.inp.sampling.constraint is not None for a in admitted):
+            # The worker compiles the grammar and may refuse it before the first token:
+            # headers wait for the first event, so that refusal is still an HTTP 400.
+            head = await anext(events, None)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -244,7 +251,7 @@ class HttpEdge:
         model = ""
         chunks = ChunkEncoder(req)
         try:
-            async for index, delta, first in self._merged(admitted):
+            async for index, delta, first in _after(head, events):
                 model = delta.model
                 lp = self._token_logprobs(req, delta)
                 if delta.usage is not None:
@@ -362,6 +369,14 @@ def _model(body: dict[str, Any]) -> str:
     if not isinstance(model, str):
         raise InvalidInputError(f"model: expected a string, got {type(model).__name__}")
     return model
+
+
+async def _after(head: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``head`` (when not None), then ``rest``."""
+    if head is not None:
+        yield head
+    async for item in rest:
+        yield item
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:

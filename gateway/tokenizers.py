@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,17 @@ class Tokenizer:
             return HERMES
         return self.native_tool_format
 
-    def check_constraint(self, constraint: Constraint) -> None:
-        """Compiles ``constraint`` for this tokenizer (cached by content; thread-safe, and
-        compiles of different constraints run at once); raises ConstraintError naming what
-        the grammar engine refused."""
+    def check_constraint(self, constraint: Constraint) -> Constraint:
+        """The output constraint, carrying its grammar text for the worker (converted once
+        per content, cached; thread-safe, and conversions of different constraints run at
+        once); raises ConstraintError naming what the converter refused. The tokenizer-level
+        compile is the worker's: a grammar it refuses fails the request before its first
+        token, with the engine's reason."""
+        return replace(constraint, converted=self.grammar.convert(constraint))
+
+    def check_parameters(self, constraint: Constraint) -> None:
+        """Compiles a tool's parameters schema for this tokenizer (cached by content), so a
+        refusal names the tool; raises ConstraintError with the engine's reason."""
         self.grammar.compile(constraint)
 
     def token_bytes(self, ids: list[int]) -> list[bytes]:

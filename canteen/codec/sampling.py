@@ -28,18 +28,22 @@ def constraint_to_pb(constraint: Constraint) -> common_pb2.Constraint:
         msg.choice.options.extend(constraint.choices)
     else:
         setattr(msg, constraint.kind, constraint.text)
+    msg.grammar_text = constraint.converted
     return msg
 
 
-def constraint_from_pb(msg: common_pb2.Constraint) -> Constraint | None:
+def constraint_from_pb(msg: common_pb2.Constraint, is_public: bool = False) -> Constraint | None:
+    """``is_public``: from a client, whose ``grammar_text`` is never taken (the gateway
+    converts the constraint itself, so what the worker compiles is what the client asked)."""
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
+    converted = "" if is_public else msg.grammar_text
     if kind == "json_object":
-        return Constraint("json_object")
+        return Constraint("json_object", converted=converted)
     if kind == "choice":
-        return Constraint("choice", choices=tuple(msg.choice.options))
-    return Constraint(kind, text=getattr(msg, kind))
+        return Constraint("choice", choices=tuple(msg.choice.options), converted=converted)
+    return Constraint(kind, text=getattr(msg, kind), converted=converted)
 
 
 def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
@@ -72,7 +76,7 @@ def sampling_from_request(msg: inference_pb2.GenerateRequest) -> Sampling:
         kwargs["seed"] = random_seed()
     constraint = None
     if msg.HasField("constraint"):
-        constraint = constraint_from_pb(msg.constraint)
+        constraint = constraint_from_pb(msg.constraint, is_public=True)
     return Sampling(**kwargs, constraint=constraint)
 
 

@@ -113,6 +113,7 @@ class Constraint(_message.Message):
     REGEX_FIELD_NUMBER: _builtins.int
     CHOICE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    GRAMMAR_TEXT_FIELD_NUMBER: _builtins.int
     json_object: _builtins.bool
     """Any JSON object (OpenAI's response_format {"type": "json_object"})."""
     json_schema: _builtins.str
@@ -121,6 +122,11 @@ class Constraint(_message.Message):
     """A regular expression (Rust regex syntax) the whole output matches."""
     grammar: _builtins.str
     """A context-free grammar: Lark syntax (llguidance's) or llama.cpp's GBNF."""
+    grammar_text: _builtins.str
+    """Between services only (a client's value is ignored): the constraint as llguidance
+    grammar text, converted once by the gateway, so the worker builds its matcher from it
+    without converting again. Empty: the worker converts the constraint itself.
+    """
     @_builtins.property
     def choice(self) -> Global___Choices:
         """The output is exactly one of these strings."""
@@ -133,10 +139,11 @@ class Constraint(_message.Message):
         regex: _builtins.str = ...,
         choice: Global___Choices | None = ...,
         grammar: _builtins.str = ...,
+        grammar_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "grammar", b"grammar", "grammar_text", b"grammar_text", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "choice", "grammar"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015

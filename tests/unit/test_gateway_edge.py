@@ -193,9 +193,9 @@ class _CountingTokenizer(Tokenizer):
         self.num_encoded += 1
         return super().encode(text)
 
-    def check_constraint(self, constraint: Constraint) -> None:
+    def check_constraint(self, constraint: Constraint) -> Constraint:
         self.num_compiled += 1
-        super().check_constraint(constraint)
+        return super().check_constraint(constraint)
 
 
 def _admission(config: GatewayConfig, tokenizer: Tokenizer) -> Admission:

@@ -10,7 +10,11 @@ Grammar work stays off the step thread's path where it can:
 
     start-up       the tokenizer and the engine's view of it load on their own thread
     plan arrives   compile starts on a small thread pool (under the worker's limits), as
-                   soon as the plan is read, while the steps before it still run
+                   soon as the plan is read, while the steps before it still run; it builds
+                   the matcher from the grammar text the gateway shipped with the
+                   constraint (converted there once), or converts it here if none came;
+                   a refusal fails the sequence before its first token and is kept by
+                   content, so the same constraint is refused again without a build
     step top       masks of the rows this step samples start filling, all in one
                    parallel llguidance call (a row's mask needs only its earlier tokens)
     forward        runs meanwhile, on the step thread
