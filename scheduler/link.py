@@ -179,6 +179,7 @@ class WorkerLink:
         sent: deque[float] = deque()  # when each plan in flight was sent
         reading: asyncio.Future[object] | None = None
         last_result = time.monotonic()
+        applied = False  # a result was just applied: its events wait for the next plan
         try:
             while True:
                 if self.is_draining and not (self.core.running or self.core.waiting or sent):
@@ -188,6 +189,13 @@ class WorkerLink:
                 while (plan := self.core.schedule()) is not None:
                     await call.write(plan_to_pb(plan))
                     sent.append(time.monotonic())
+                if applied:
+                    # The plan the result made room for is on the wire before the tokens'
+                    # deliveries (the gateway's writes) run, so the worker's next step never
+                    # waits for them; and handlers submit and cancel between steps.
+                    applied = False
+                    await asyncio.sleep(0)
+                    continue  # plan what the handlers just submitted, if there is room
                 if not sent:
                     self._wake.clear()
                     await self._wake.wait()
@@ -197,7 +205,7 @@ class WorkerLink:
                     continue  # new work arrived and the pipeline has room: plan it first
                 msg, reading = reading.result(), None
                 last_result = self._apply(msg, max(sent.popleft(), last_result))
-                await asyncio.sleep(0)  # let handlers submit and cancel between steps
+                applied = True
         finally:
             if reading is not None:
                 reading.cancel()

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 
+import grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from canteen.batching import BatchConfig
+from canteen.codec import plan_from_pb, result_to_pb
 from canteen.finish import Finish
 from canteen.plan import StepPlan
+from canteen.v1 import worker_pb2
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.sequence import Sequence
+from scheduler.link import LinkSettings, WorkerDescription, WorkerLink
+from scheduler.sequence import SeqEvent, Sequence
 from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, expected_tokens, make_seq
 
 
@@ -140,3 +145,51 @@ def test_a_short_request_still_leaves_its_prompt_in_the_prefix_cache() -> None:
         pump(sched, worker, sent)
     assert again.num_cached_tokens == 12  # three full blocks of 4
     assert again.output_ids == expected_tokens(again.prompt_ids, 2)
+
+
+class _RunCall:
+    """The worker's Run stream as the link sees it: plans written are answered in order by
+    the fake worker; ``log`` records each plan written and each token delivered."""
+
+    def __init__(self, worker: FakeWorker, log: list[str]) -> None:
+        self.worker, self.log = worker, log
+        self.plans: deque[StepPlan] = deque()
+
+    async def write(self, msg: worker_pb2.StepPlan) -> None:
+        plan = plan_from_pb(msg)
+        self.log.append(f"plan {plan.step_id}")
+        self.plans.append(plan)
+        await asyncio.sleep(0)  # a real write yields while the message goes out
+
+    async def read(self) -> worker_pb2.StepResult:
+        await asyncio.sleep(0)
+        return result_to_pb(self.worker.step(self.plans.popleft()))
+
+    async def done_writing(self) -> None:
+        return None
+
+
+async def test_after_a_result_the_next_plan_is_written_before_its_token_is_delivered() -> None:
+    """The worker's next step never waits for the gateway's write of the last token."""
+    desc = WorkerDescription(
+        "w", "127.0.0.1:1", "m", "v1", 64, BLOCK_SIZE, 256, frozenset(), 64, 128
+    )
+    limits = BatchConfig(max_batched_tokens=64, max_num_seqs=16, pipeline_depth=2)
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never dialled: the call is fake
+    link = WorkerLink(desc, channel, LinkSettings(batch=limits))
+    log: list[str] = []
+    seq = make_seq("a", prompt_len=5, max_tokens=6)
+    events: asyncio.Queue[SeqEvent] = asyncio.Queue()
+    link.adopt(seq, events)
+    runs = asyncio.create_task(link._loop(_RunCall(FakeWorker(64), log)))
+    tokens: list[int] = []
+    while not (event := await events.get()).finish:
+        tokens += event.token_ids
+        log.append(f"token {len(tokens)}")
+    tokens += event.token_ids
+    runs.cancel()
+    await channel.close()
+    assert tokens == expected_tokens(seq.prompt_ids, 6)
+    # result i (token i) made room for plan i + 2: it is on the wire before token i goes out
+    for i in range(1, 5):
+        assert log.index(f"plan {i + 2}") < log.index(f"token {i}"), log

@@ -87,8 +87,37 @@ std::vector<float> group_sums(const at::BFloat16* x, int64_t rows, int64_t k) {
 constexpr bool kVectorized = true;
 
 // How far ahead a block's weights are asked for (lowbit's measurements on the Xeon: 1-4 KB
-// ahead took a streamed 4-bit step from 16 to 13.5 ms; README, Speed).
-constexpr int64_t kPrefetchBytes = 4096;
+// ahead took a streamed 4-bit step from 16 to 13.5 ms; README, Speed): prefetch_ahead.
+
+#ifndef CANTEEN_PREFETCH_BYTES
+#define CANTEEN_PREFETCH_BYTES 4096
+#endif
+
+// Asks for the weights CANTEEN_PREFETCH_BYTES (4 KB) ahead of group ``g`` of block ``b`` in the order the
+// blocks are read, and for the scales of the block read after it. Blocks side by side (no
+// gate, ``apart`` one block) are read ``Blocks`` at a time, so the block after block b is
+// b + Blocks, not b + 1 (which is being read now): without this, once a block's last 4 KB
+// were near, its stream asked for bytes already in cache, and the next blocks started on
+// cache misses (a 4-bit block is 4.5 KB, so most of every block). A gate's two streams each
+// move one block on. Prefetches change no result, only when the bytes arrive.
+template <int Bits, int Blocks>
+inline void prefetch_ahead(const uint8_t* w, int64_t apart, const at::Half* scales, int64_t scales_apart,
+                           int64_t groups, int b, int64_t g) {
+  constexpr int64_t kAhead = CANTEEN_PREFETCH_BYTES;
+  const int64_t block_bytes = groups * kGroupBytes<Bits>, block_scales = groups * 2 * kBlock;
+  const int64_t step = apart == block_bytes ? Blocks : 1;  // blocks on to this stream's next
+  int64_t off = g * kGroupBytes<Bits> + kAhead;
+  const uint8_t* base = w + b * apart;
+  if (off >= block_bytes) {
+    base += step * block_bytes;
+    off -= block_bytes;
+  }
+  const char* ahead = reinterpret_cast<const char*>(base + off);
+  for (int64_t line = 0; line < kGroupBytes<Bits>; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  // a group's 16 d and 16 m: one line, the next block's of the same group
+  _mm_prefetch(reinterpret_cast<const char*>(scales + b * scales_apart + step * block_scales + g * 2 * kBlock),
+               _MM_HINT_T0);
+}
 
 // 0..15 as bfloat16 bits, in the first 16 words; vpermw looks the nibbles up in it.
 inline __m512i nibble_table() {
@@ -116,10 +145,7 @@ void group_dots(const uint8_t* w, int64_t apart, const at::Half* scales, int64_t
     for (int r = 0; r < Rows; ++r)
       for (int b = 0; b < Blocks; ++b) dot[r][b] = _mm512_setzero_ps();
     const int64_t pair0 = g * kPairs;
-    for (int b = 0; b < Blocks; ++b) {
-      const char* ahead = reinterpret_cast<const char*>(w + b * apart + g * kGroupBytes<Bits>) + kPrefetchBytes;
-      for (int64_t line = 0; line < kGroupBytes<Bits>; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-    }
+    for (int b = 0; b < Blocks; ++b) prefetch_ahead<Bits, Blocks>(w, apart, scales, scales_apart, x.groups, b, g);
     if constexpr (Bits == 4) {
       for (int s = 0; s < 8; ++s) {
         for (int b = 0; b < Blocks; ++b) {
