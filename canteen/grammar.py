@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -128,17 +129,7 @@ class GrammarCompiler:
 
     def compile(self, constraint: Constraint) -> str:
         """The checked grammar of ``constraint``; raises ConstraintError with the reason."""
-        with self._lock:
-            found = _lookup(self._cache, constraint)
-        if found is None:  # compiled outside the lock: other constraints need not wait
-            found = self._check(constraint)
-            outcome = "refused" if isinstance(found, ConstraintError) else "compiled"
-            GRAMMAR_COMPILES.labels(constraint.kind, outcome).inc()
-            with self._lock:
-                _store(self._cache, constraint, found)
-        if isinstance(found, ConstraintError):
-            raise found
-        return found
+        return self._cached(self._cache, constraint, self._check)
 
     def convert(self, constraint: Constraint) -> str:
         """``constraint`` as the engine's grammar text, converted once per content (cached,
@@ -146,14 +137,24 @@ class GrammarCompiler:
         against the tokenizer: the gateway ships this text and the worker's matcher build
         checks it (one compile per process that uses the grammar, not a check and a build).
         Counted in ``canteen_grammar_compiles_total`` as a compile."""
+        return self._cached(self._converted, constraint, _converted)
+
+    def _cached(
+        self,
+        cache: OrderedDict[Constraint, str | ConstraintError],
+        constraint: Constraint,
+        work: Callable[[Constraint], str | ConstraintError],
+    ) -> str:
+        """``work(constraint)`` once per content, refusals kept too; each run of ``work``
+        counts as a compile. Runs outside the lock: other constraints need not wait."""
         with self._lock:
-            found = _lookup(self._converted, constraint)
+            found = _lookup(cache, constraint)
         if found is None:
-            found = _converted(constraint)
+            found = work(constraint)
             outcome = "refused" if isinstance(found, ConstraintError) else "compiled"
             GRAMMAR_COMPILES.labels(constraint.kind, outcome).inc()
             with self._lock:
-                _store(self._converted, constraint, found)
+                _store(cache, constraint, found)
         if isinstance(found, ConstraintError):
             raise found
         return found
