@@ -377,3 +377,47 @@ def test_a_spread_wider_than_the_room_halves_chunks_at_most() -> None:
         position += n
     assert sizes[:8] == [10, 10, 9, 9, 10, 9, 10, 9]
     assert sizes[8] == 6 and set(sizes[9:]) == {4, 5}
+
+
+def test_every_step_with_a_chunk_carries_every_decoding_stream() -> None:
+    """Pipelined (two plans in flight), as the suite runs: from the long prompt's first
+    chunk to its first token, every plan holds each of the 8 streams' next token beside the
+    chunk, and every result brings each stream one token, so a stream waits one step, the
+    chunk's own, between two tokens, never a chunk step and then a decode step."""
+    limits = BatchConfig(
+        max_batched_tokens=512, max_num_seqs=16, max_step_stall=1.5, min_prefill_chunk=8
+    )
+    sched, worker = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits), KeyTimedWorker(400)
+    streams = [make_seq(f"s{i}", prompt_len=4, max_tokens=120) for i in range(8)]
+    for s in streams:
+        sched.add(s)
+    in_flight: list[StepPlan] = []
+
+    def pump(is_full: bool = True) -> tuple[StepPlan, StepResult]:
+        while (plan := sched.schedule()) is not None:
+            in_flight.append(plan)
+        assert len(in_flight) == 2 or not is_full  # the worker has the next plan queued
+        plan = in_flight.pop(0)
+        result = worker.step(plan)
+        sched.update(result)
+        return plan, result
+
+    for _ in range(6):
+        pump()
+    long = make_seq("long", prompt_len=300, max_tokens=4)
+    sched.add(long)
+    chunks: list[int] = []
+    while not long.output_ids:
+        plan, result = pump()
+        if "long" not in scheduled(plan):
+            assert not chunks  # planned before the prompt came: the plan already in flight
+            continue
+        chunks.append(scheduled(plan)["long"])
+        assert scheduled(plan) == {**{s.seq_id: 1 for s in streams}, "long": chunks[-1]}
+        made = sorted(t.seq_id for t in result.tokens if t.seq_id != "long")
+        assert made == [s.seq_id for s in streams]
+    assert sum(chunks) == 300 and len(chunks) >= 3  # in bounded chunks, not in one step
+    while sched.has_work or in_flight:
+        pump(is_full=False)
+    assert long.output_ids == expected_tokens(long.prompt_ids, 4)
+    assert all(s.output_ids == expected_tokens(s.prompt_ids, 120) for s in streams)
