@@ -3,6 +3,7 @@ before them, so the stall bound sizes them by position (scheduler/cost.py)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -11,7 +12,13 @@ from canteen.batching import BatchConfig
 from canteen.plan import StepPlan, StepResult
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.cost import UNBOUNDED, StepCostModel, chunk_keys, largest_chunk
+from scheduler.cost import (
+    DECODE_WINDOW,
+    UNBOUNDED,
+    StepCostModel,
+    chunk_keys,
+    largest_chunk,
+)
 from tests.unit.test_batcher import (
     BLOCK_SIZE,
     FakeWorker,
@@ -421,3 +428,33 @@ def test_every_step_with_a_chunk_carries_every_decoding_stream() -> None:
         pump(is_full=False)
     assert long.output_ids == expected_tokens(long.prompt_ids, 4)
     assert all(s.output_ids == expected_tokens(s.prompt_ids, 120) for s in streams)
+
+
+def test_the_bound_is_held_against_the_median_decode_step_not_moved_by_the_key_slope() -> None:
+    """Chunk steps cost J more than the line (as taught_with_jump): the key slope fitted to
+    them comes out 18% high (1.18 us a key for 1 us), so moving the decode steps to the
+    streams' grown contexts by it put the bound 1.51x the decode step they take at 3,000
+    keys and let a chunk of 5 run 1.47x. The median of the decode-only steps seen (the one
+    at 815 keys) holds it: 4 tokens, 1.40x."""
+    model = taught_with_jump(is_told=True)
+    fitted = model.fit_keys()
+    assert fitted is not None and fitted[2] == pytest.approx(1.1827e-6, rel=1e-4)
+    assert model.median_decode(8, fitted[1]) == pytest.approx(seconds(8, 815))
+    assert model.prefill_budget(8, position=1900, decode_keys=3000) == 4
+    assert model.bound_seconds == pytest.approx(1.5 * seconds(8, 815))
+    took = with_jump(12, 3000 + chunk_keys(4, 1900), True)
+    assert took / seconds(8, 3000) == pytest.approx(1.4002, abs=1e-4)
+
+
+def test_the_median_decode_step_follows_the_latest_window() -> None:
+    """Only the latest DECODE_WINDOW decode-only steps count: after nine at half the time
+    the bound is held against those, whatever came before; none seen: no median."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    assert model.median_decode(8, B) == math.inf
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k, is_decode_only=n == 8)
+    assert model.median_decode(8, B) == pytest.approx(seconds(8, 820))
+    assert model.median_decode(10, B) == pytest.approx(seconds(8, 820) + 2 * B)
+    for _ in range(DECODE_WINDOW):
+        model.observe(8, 0.6 * seconds(8, 800), 800, is_decode_only=True)
+    assert model.median_decode(8, B) == pytest.approx(0.6 * seconds(8, 800))
