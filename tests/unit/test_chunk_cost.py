@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from canteen.batching import BatchConfig
+from canteen.batching import DEFAULT, BatchConfig
 from canteen.plan import StepPlan, StepResult
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
@@ -458,3 +458,14 @@ def test_the_median_decode_step_follows_the_latest_window() -> None:
     for _ in range(DECODE_WINDOW):
         model.observe(8, 0.6 * seconds(8, 800), 800, is_decode_only=True)
     assert model.median_decode(8, B) == pytest.approx(0.6 * seconds(8, 800))
+
+
+def test_the_shipped_bound_sizes_chunks_to_1_4x_the_decode_step() -> None:
+    """The shipped --max-step-stall: a chunk step takes at most 1.4x a decode-only step of
+    8 streams (56.8 ms here), so a chunk may add 22.72 ms: 11 fresh tokens (22.07 ms; 12
+    would be 24.08), 5 after 1,900 (19.52 ms; 6 would be 23.42)."""
+    assert DEFAULT.max_step_stall == 1.4
+    model = taught_at(DEFAULT.max_step_stall)
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 11
+    assert model.bound_seconds == pytest.approx(1.4 * seconds(8, 800))
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 5
