@@ -5,7 +5,7 @@
                  throughput (rounds alternate; each round uses a fresh system prompt)
   interference   8 streams decode; a 2,000-token prompt arrives: the streams' worst
                  inter-token gap against their median gap before it, with --max-step-stall
-                 1.5 (the default) vs 0 (only --max-batched-tokens bounds a step), and one
+                 at its default (1.4) vs 0 (only --max-batched-tokens bounds a step), and one
                  more stack per --stall V (rounds rotate which stack goes first); every
                  stack warmed with a long prompt first. Each round also reports, from the
                  scheduler's DEBUG log, its chunk steps' time over the step time the cost
