@@ -5,18 +5,26 @@
                  throughput (rounds alternate; each round uses a fresh system prompt)
   interference   8 streams decode; a 2,000-token prompt arrives: the streams' worst
                  inter-token gap against their median gap before it, with --max-step-stall
-                 1.5 (the default) vs 0 (only --max-batched-tokens bounds a step); both
-                 stacks warmed with a long prompt first, rounds alternate the sides;
-                 each round also reports, from the scheduler's DEBUG log, its chunk
-                 steps' time over the step time the cost model sized them for
-                 (worst_step_over_bound, p90_step_over_bound) and the step behind the
-                 worst gap (worst_gap_step: its tokens, keys, estimate, time and bound)
+                 at its default (1.4) vs 0 (only --max-batched-tokens bounds a step), and one
+                 more stack per --stall V (rounds rotate which stack goes first); every
+                 stack warmed with a long prompt first. Each round also reports, from the
+                 scheduler's DEBUG log, its chunk steps' time over the step time the cost
+                 model sized them for (worst_step_over_bound, p90_step_over_bound) and over
+                 the median decode-only step before the prompt (decode_step_ms,
+                 *_step_over_decode), the steps whose results came during the worst gap
+                 (worst_gap_steps: tokens, keys, estimate, time, since_ms = time since the
+                 previous result, bound), how many streams waited as long at that moment
+                 (worst_gap_streams: 8 means the step, 1 a hop of one stream), the tokens
+                 the message ending it brought, and any slow garbage collection of a
+                 service (slow_gc)
   overload       10x more concurrent requests than fit the pool: errors, preemptions, and
                  the worker's peak RSS against the budget it reports
 
 Usage: python bench/kv.py [--only shared-prefix|interference|overload] [--rounds 2]
-                          [--interference-rounds 1] [--no-stall-off] [--json out.json]
-                          [--workdir DIR]
+                          [--interference-rounds 1] [--no-stall-off] [--stall V ...]
+                          [--json out.json] [--workdir DIR]
+A bounded check of the interference figure (~2 min on 2 quiet cores):
+    python bench/kv.py --only interference --interference-rounds 3 --no-stall-off
 """
 
 from __future__ import annotations
@@ -24,8 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import itertools
 import json
+import math
 import os
 import random
 import statistics
@@ -157,15 +167,13 @@ def shared_prefix(tokenizer: object, tmp: Path, rounds: int) -> dict[str, object
 # -- long-prompt interference ---------------------------------------------------------------
 
 
-async def interference_run(
-    address: str, long_prompt: str
-) -> tuple[dict[str, float], tuple[float, float, float]]:
-    """The figures, and in wall-clock (Unix) time: when the long prompt was sent, when the
-    last stream ended, and when the worst gap during it ended."""
+async def interference_run(address: str, long_prompt: str) -> tuple[dict[str, float], Window]:
+    """The figures, and in wall-clock (Unix) time when things happened (``Window``)."""
     to_unix = time.time() - time.perf_counter()
     async with grpc.aio.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        live = [Trace(time.perf_counter()) for _ in range(8)]
+        started = time.perf_counter()
+        live = [Trace(started) for _ in range(8)]
         streams = [
             asyncio.ensure_future(traced(stub, chat("", f"Tell story {i}.", 160), t))
             for i, t in enumerate(live)
@@ -177,24 +185,42 @@ async def interference_run(
         traces = await asyncio.gather(*streams)
     ended = time.perf_counter()
     before: list[float] = []
-    during: list[tuple[float, float]] = []  # (gap, when it ended)
+    during: list[tuple[float, float, int]] = []  # (gap, when it ended, tokens it brought)
     for t in traces:
-        times = [a for a, _ in t.arrivals]
-        for prev, cur in itertools.pairwise(times):
+        for (prev, _), (cur, n) in itertools.pairwise(t.arrivals):
             if cur < arrived:
                 before.append(cur - prev)
             else:
-                during.append((cur - prev, cur))
+                during.append((cur - prev, cur, n))
     median = statistics.median(before)
-    worst, worst_at = max(during or [(0.0, arrived)])
+    worst, worst_at, worst_n = max(during or [(0.0, arrived, 0)])
     figures = {
         "median_gap_s": median,
         "worst_gap_during_s": worst,
         "worst_over_median": worst / median,
+        "worst_gap_tokens": float(worst_n),
+        "gaps_over_1_6x": float(sum(1 for g, _, _ in during if g > 1.6 * median)),
+        # streams that waited (nearly) as long at the same time: all 8, the step; one, its hop
+        "worst_gap_streams": float(
+            sum(1 for g, at, _ in during if g > 0.8 * worst and abs(at - worst_at) < 0.005)
+        ),
         "long_ttft_s": long.ttft,
         "errors": float(sum(1 for t in [*traces, long] if t.error)),
     }
-    return figures, (arrived + to_unix, ended + to_unix, worst_at + to_unix)
+    window = Window(*(x + to_unix for x in (started, arrived, ended, worst_at)), worst)
+    return figures, window
+
+
+@dataclass(frozen=True)
+class Window:
+    """A round in Unix time: streams started, the long prompt sent, the last stream ended,
+    the worst gap during the prefill ended (and how long it was, seconds)."""
+
+    started: float
+    arrived: float
+    ended: float
+    worst_at: float
+    worst_gap: float
 
 
 def step_records(log: Path, since: float, until: float) -> list[dict[str, Any]]:
@@ -217,26 +243,61 @@ def step_records(log: Path, since: float, until: float) -> list[dict[str, Any]]:
     return [{**s, "bound_ms": bounds.get(s["step_id"])} for s in steps]
 
 
-def chunk_figures(steps: list[dict[str, Any]], worst_at: float) -> dict[str, object]:
+def slow_collections(workdir: Path, window: Window) -> list[str]:
+    """The services' "slow garbage collection" records (canteen/heap.py) during a round:
+    which service, and how long it paused."""
+    found = []
+    for log in sorted(workdir.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if "slow garbage collection" not in line or not line.startswith("{"):
+                continue
+            record = json.loads(line)
+            at = datetime.fromisoformat(record["timestamp"]).timestamp()
+            if window.started <= at <= window.ended:
+                found.append(f"{log.stem} {record['ms']} ms")
+    return found
+
+
+def chunk_figures(steps: list[dict[str, Any]], window: Window) -> dict[str, object]:
     """Steps that carried prompt tokens beside the decodes: their time over the bound the
-    cost model sized them for (worst, 90th percentile), and the step whose result came last
-    before the worst gap ended (the step that made it, give or take the gateway's hop)."""
-    chunked = [s for s in steps if s["num_tokens"] > s["num_sequences"] and s["bound_ms"]]
+    cost model sized them for and over the median decode-only step before the prompt came
+    (worst, 90th percentile), and the steps whose results came during the worst gap (the
+    steps that made it, give or take the gateway's hop): tokens, estimate, time, the time
+    since the previous result (``since_ms``: the step plus any wait before it) and bound."""
+    decodes = [
+        s["took_ms"]
+        for s in steps
+        if s["at"] < window.arrived and s["num_tokens"] == s["num_sequences"] == 8
+    ]
+    during = [s for s in steps if s["at"] >= window.arrived]
+    chunked = [s for s in during if s["num_tokens"] > s["num_sequences"] and s["bound_ms"]]
     if not chunked:
         return {}
     over = sorted(s["took_ms"] / s["bound_ms"] for s in chunked)
+    decode_ms = statistics.median(decodes) if decodes else math.nan
+    over_decode = sorted(s["took_ms"] / decode_ms for s in chunked)
     fields = ("step_id", "num_tokens", "num_sequences", "num_keys", "estimated_ms", "took_ms")
-    last = max((s for s in steps if s["at"] <= worst_at), key=lambda s: s["at"], default=None)
+    fields += ("since_ms", "forward_ms", "bound_ms")
+    since = window.worst_at - window.worst_gap - 0.002
     return {
         "chunk_steps": len(chunked),
+        "decode_step_ms": round(decode_ms, 2),
         "worst_step_over_bound": round(over[-1], 3),
         "p90_step_over_bound": round(over[len(over) * 9 // 10], 3),
-        "worst_gap_step": None if last is None else {f: last[f] for f in (*fields, "bound_ms")},
+        "worst_step_over_decode": round(over_decode[-1], 3),
+        "p90_step_over_decode": round(over_decode[len(over) * 9 // 10], 3),
+        "worst_gap_steps": [
+            {f: s.get(f) for f in fields} for s in steps if since <= s["at"] <= window.worst_at
+        ],
     }
 
 
 def interference(
-    tokenizer: object, tmp: Path, rounds: int = 1, stall_off: bool = True
+    tokenizer: object,
+    tmp: Path,
+    rounds: int = 1,
+    stall_off: bool = True,
+    stalls: tuple[float, ...] = (),
 ) -> dict[str, object]:
     """Both stacks run at once; each is warmed first with a 2,000-token prompt of its own
     (seed 99, which no round uses), so its scheduler has learned the step cost of late
@@ -247,6 +308,7 @@ def interference(
     the step behind the worst gap."""
     worker = [*THREADS, "--kv-cache-memory", "512MiB"]
     variants: list[tuple[str, list[str]]] = [("stall_default", [])]
+    variants += [(f"stall_{v:g}", ["--max-step-stall", f"{v:g}"]) for v in stalls]
     if stall_off:
         variants.append(("stall_off", ["--max-step-stall", "0"]))
     runs: dict[str, list[dict[str, object]]] = {name: [] for name, _ in variants}
@@ -263,12 +325,13 @@ def interference(
             print(f"interference {name} warm-up: {warmed}", flush=True)
         for r in range(rounds):
             long_prompt = text_of_tokens(tokenizer, 2000, 7 + r)
-            for name, s in sides if r % 2 == 0 else sides[::-1]:
-                run, (since, until, worst_at) = asyncio.run(
-                    interference_run(s.gateway.address, long_prompt)
+            for name, s in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                run, window = asyncio.run(interference_run(s.gateway.address, long_prompt))
+                steps = step_records(tmp / name / "scheduler.log", window.started, window.ended)
+                slow_gc = slow_collections(tmp / name, window)
+                runs[name].append(
+                    {"round": r + 1, **run, **chunk_figures(steps, window), "slow_gc": slow_gc}
                 )
-                steps = step_records(tmp / name / "scheduler.log", since, until)
-                runs[name].append({"round": r + 1, **run, **chunk_figures(steps, worst_at)})
                 print(f"interference {name} round {r + 1}: {runs[name][-1]}", flush=True)
     return {name: got[0] if rounds == 1 else got for name, got in runs.items()}
 
@@ -348,6 +411,14 @@ def main() -> None:
         "--no-stall-off", action="store_true", help="interference: skip --max-step-stall 0"
     )
     parser.add_argument(
+        "--stall",
+        type=float,
+        action="append",
+        default=[],
+        help="interference: another stack with this --max-step-stall beside the default "
+        "(repeatable; rounds rotate which stack goes first)",
+    )
+    parser.add_argument(
         "--workdir",
         default="",
         help="keep the services' logs here (with CANTEEN_TEST_LOG_LEVEL=DEBUG the scheduler "
@@ -360,6 +431,11 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # The client is the measuring instrument: a full collection walking transformers' and the
+    # tokenizer's objects would pause every stream's arrival times at once (as the services
+    # do once ready, canteen/heap.py).
+    gc.collect()
+    gc.freeze()
     report: dict[str, object] = {}
     with contextlib.ExitStack() as kept:
         tmp = args.workdir or kept.enter_context(tempfile.TemporaryDirectory())
@@ -367,7 +443,11 @@ def main() -> None:
             report["shared_prefix"] = shared_prefix(tokenizer, Path(tmp), args.rounds)
         if args.only in (None, "interference"):
             report["interference"] = interference(
-                tokenizer, Path(tmp), args.interference_rounds, not args.no_stall_off
+                tokenizer,
+                Path(tmp),
+                args.interference_rounds,
+                not args.no_stall_off,
+                tuple(args.stall),
             )
         if args.only in (None, "overload"):
             report["overload"] = overload(Path(tmp))

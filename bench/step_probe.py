@@ -7,10 +7,11 @@ both revisions share.
 ``--interference CHUNK`` instead times what bench/kv.py's interference scenario asks of the
 worker, in-process: 8 sequences decode while a --prompt token prompt is prefilled beside
 them in CHUNK-token chunks, or (``--interference 0``) in chunks that the scheduler's cost
-model (scheduler/cost.py, --max-step-stall 1.5) sizes from these steps' CPU times. It prints
-the decode-only steps' median and the worst (and 90th percentile) step with a chunk over it,
-in process-CPU time, and with ``--verbose`` one JSON line per step with a chunk (its
-position, wall and CPU ms), so a step's cost can be read against its chunk's position.
+model (scheduler/cost.py; ``--max-stall``, default the scheduler's) sizes from these steps'
+CPU times. It prints the decode-only steps' median and the worst (and 90th percentile) step
+with a chunk over it, in process-CPU time, and with ``--verbose`` one JSON line per step
+with a chunk (its position, wall and CPU ms), so a step's cost can be read against its
+chunk's position.
 ``--blind-cost`` sizes them as the model did before it told decode-only steps apart (for a
 side-by-side run). ``--repeat 2`` runs it twice (the second warm, the cost model keeps what
 it learned). ``over_bound``: a chunk step's CPU time over the step time the cost model held
@@ -41,6 +42,7 @@ import time
 
 import torch
 
+from canteen.batching import DEFAULT
 from canteen.models import default_model_path
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from scheduler.cost import StepCostModel, chunk_keys
@@ -289,6 +291,12 @@ def main() -> None:
     parser.add_argument(
         "--attention", type=int, help="time the attention kernel alone at this position"
     )
+    parser.add_argument(
+        "--max-stall",
+        type=float,
+        default=DEFAULT.max_step_stall,
+        help="--interference 0: the cost model's bound (default: the scheduler's)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -311,7 +319,7 @@ def main() -> None:
     out: dict[str, float] = {}
     if args.interference is not None:
         # the scheduler's defaults; like the scheduler, skip a fresh worker's first steps
-        cost = StepCostModel(max_stall=1.5, min_chunk=16, **warmup())
+        cost = StepCostModel(max_stall=args.max_stall, min_chunk=16, **warmup())
         with torch.inference_mode():
             for _ in range(args.repeat):
                 records = interference_steps(

@@ -24,8 +24,11 @@ class BatchConfig:
         2048, "most tokens one step computes (decode plus prefill)", at_least(1)
     )
     max_num_seqs: int = option(256, "most sequences in one worker's running batch", at_least(1))
+    # 1.4: the cost model holds a chunk step to this many times the median decode-only
+    # step (scheduler/cost.py), and the streams' worst gap is that step plus their own
+    # delivery's jitter; at 1.5 the quiet Zen 4 saw 2.06-2.07x (bench/kv.py interference)
     max_step_stall: float = option(
-        1.5,
+        1.4,
         "while streams decode that were streaming when the held prompts arrived, a step "
         "carrying prefill may take at most this many times a decode-only step (learned from "
         "step timings); 0: only --max-batched-tokens bounds it",

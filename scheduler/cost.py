@@ -35,7 +35,11 @@ README, Speed: 8 decodes plus one token at position 1,800 take 1.26x a decode st
 further token ~0.25x), and a bound taken from the line let chunk steps run that much over
 it. So the model keeps the recent decode-only steps' mean apart (moved to the step's decodes
 and keys by the fitted slopes) and holds the step's whole estimate to ``max_stall`` times
-the lower of the two.
+the lower of the two, and of the median of the latest ``DECODE_WINDOW`` decode-only steps at
+their own keys: what the streams' median gap was. The key slope, fitted mostly to chunk
+steps, also carries what carrying any chunk costs, so moving the decode steps by it raised
+the bound over a prefill (on the quiet Zen 4, bench/kv.py: bounds 1.73-1.77x the streams'
+median gap at ``max_stall`` 1.5), and one slow decode step among the last three did too.
 
 ``min_chunk`` is the probe: the chunk a step carries while its cost is not known yet. Once it
 is, the bound alone sizes the chunk, one token at least (the prompt always progresses). A
@@ -71,6 +75,7 @@ every step within the bound at the price of ~30% smaller chunks.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from scheduler.sequence import Sequence
 
@@ -83,6 +88,7 @@ OUTLIER_RUN = 3  # ... unless this many in a row are: then the machine changed, 
 DRIFT = 1.5  # a step this many times faster or slower than estimated has drifted ...
 DRIFT_RUN = 3  # ... and this many in a row, on the same side, re-anchor the fit
 DECODE_DECAY = 0.7  # weight kept by the decode-only steps' sums: about the last 3 count
+DECODE_WINDOW = 9  # the latest decode-only steps whose median a stream's gap is held against
 SPREAD_STEPS = 8  # chunk steps (decayed) before their spread around the estimate counts
 WARMUP_STEPS = 4  # a worker's first steps, which build its kernels' shapes, are not learned
 
@@ -113,6 +119,8 @@ class StepCostModel:
         self.last_factor = 1.0  # the last re-anchor's scale
         # decayed sums of the decode-only steps: weight, tokens, keys, seconds
         self._decodes = (0.0, 0.0, 0.0, 0.0)
+        # the latest decode-only steps as they ran: tokens, seconds
+        self._recent: deque[tuple[int, float]] = deque(maxlen=DECODE_WINDOW)
         # decayed sums of what steps with prompt tokens took over the line's estimate
         self._excess = (0.0, 0.0, 0.0)  # and their squares
 
@@ -163,6 +171,7 @@ class StepCostModel:
             if is_decode_only:
                 d, (w, n, k, t) = DECODE_DECAY, self._decodes
                 self._decodes = (w * d + 1, n * d + num_tokens, k * d + num_keys, t * d + seconds)
+                self._recent.append((num_tokens, seconds))
             elif is_decode_only is not None and expected is not None:
                 d, (w, excess, squares) = DECAY, self._excess
                 over = seconds - expected
@@ -201,6 +210,16 @@ class StepCostModel:
         if w == 0:
             return math.inf
         return (t + b * (num_decodes * w - n) + c * (decode_keys * w - k)) / w
+
+    def median_decode(self, num_decodes: int, b: float) -> float:
+        """The median of the latest ``DECODE_WINDOW`` decode-only steps, each moved to
+        ``num_decodes`` rows by the slope ``b``, but not to today's keys: what a stream's
+        median gap was; infinite before any."""
+        if not self._recent:
+            return math.inf
+        moved = sorted(t + b * (num_decodes - n) for n, t in self._recent)
+        middle = len(moved) // 2
+        return moved[middle] if len(moved) % 2 else (moved[middle - 1] + moved[middle]) / 2
 
     def chunk_excess(self, room: float = math.inf) -> float:
         """Seconds a step with prompt tokens recently took beyond the line's estimate (at
@@ -327,7 +346,7 @@ class StepCostModel:
             a, b, c = with_keys
             decode = a + b * num_decodes + c * decode_keys
             measured = self.measured_decode(num_decodes, decode_keys, b, c)
-            reference = min(decode, measured)
+            reference = min(decode, measured, self.median_decode(num_decodes, b))
             self.bound_seconds = self.max_stall * ratio * reference
             room = self.bound_seconds - reference
             extra = self.bound_seconds - decode - self.chunk_excess(room)
@@ -340,7 +359,7 @@ class StepCostModel:
             a, b = fitted
             decode = a + b * num_decodes
             measured = self.measured_decode(num_decodes, decode_keys, b, 0.0)
-            reference = min(decode, measured)
+            reference = min(decode, measured, self.median_decode(num_decodes, b))
             self.bound_seconds = self.max_stall * ratio * reference
             target = self.bound_seconds - self.chunk_excess(self.bound_seconds - reference)
             budget = max(int((target - a) / b) - num_decodes, 1)

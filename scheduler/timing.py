@@ -37,6 +37,9 @@ def observe_step(
             num_keys=num_keys,
             estimated_ms=None if expected is None else round(expected * 1e3, 2),
             took_ms=round(seconds * 1e3, 2),
+            # since the previous result: the step plus any wait of the worker before it
+            since_ms=None if since is None else round(since * 1e3, 2),
+            forward_ms=round(result.forward_ns / 1e6, 2),
         )
         plain = is_decode_only and not result.num_draft_tokens
         reanchored = cost.num_reanchored

@@ -3,15 +3,22 @@ before them, so the stall bound sizes them by position (scheduler/cost.py)."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
-from canteen.batching import BatchConfig
+from canteen.batching import DEFAULT, BatchConfig
 from canteen.plan import StepPlan, StepResult
 from scheduler.batcher import BatchScheduler
 from scheduler.blocks import BlockPool
-from scheduler.cost import UNBOUNDED, StepCostModel, chunk_keys, largest_chunk
+from scheduler.cost import (
+    DECODE_WINDOW,
+    UNBOUNDED,
+    StepCostModel,
+    chunk_keys,
+    largest_chunk,
+)
 from tests.unit.test_batcher import (
     BLOCK_SIZE,
     FakeWorker,
@@ -377,3 +384,88 @@ def test_a_spread_wider_than_the_room_halves_chunks_at_most() -> None:
         position += n
     assert sizes[:8] == [10, 10, 9, 9, 10, 9, 10, 9]
     assert sizes[8] == 6 and set(sizes[9:]) == {4, 5}
+
+
+def test_every_step_with_a_chunk_carries_every_decoding_stream() -> None:
+    """Pipelined (two plans in flight), as the suite runs: from the long prompt's first
+    chunk to its first token, every plan holds each of the 8 streams' next token beside the
+    chunk, and every result brings each stream one token, so a stream waits one step, the
+    chunk's own, between two tokens, never a chunk step and then a decode step."""
+    limits = BatchConfig(
+        max_batched_tokens=512, max_num_seqs=16, max_step_stall=1.5, min_prefill_chunk=8
+    )
+    sched, worker = BatchScheduler(BlockPool(400, BLOCK_SIZE), limits), KeyTimedWorker(400)
+    streams = [make_seq(f"s{i}", prompt_len=4, max_tokens=120) for i in range(8)]
+    for s in streams:
+        sched.add(s)
+    in_flight: list[StepPlan] = []
+
+    def pump(is_full: bool = True) -> tuple[StepPlan, StepResult]:
+        while (plan := sched.schedule()) is not None:
+            in_flight.append(plan)
+        assert len(in_flight) == 2 or not is_full  # the worker has the next plan queued
+        plan = in_flight.pop(0)
+        result = worker.step(plan)
+        sched.update(result)
+        return plan, result
+
+    for _ in range(6):
+        pump()
+    long = make_seq("long", prompt_len=300, max_tokens=4)
+    sched.add(long)
+    chunks: list[int] = []
+    while not long.output_ids:
+        plan, result = pump()
+        if "long" not in scheduled(plan):
+            assert not chunks  # planned before the prompt came: the plan already in flight
+            continue
+        chunks.append(scheduled(plan)["long"])
+        assert scheduled(plan) == {**{s.seq_id: 1 for s in streams}, "long": chunks[-1]}
+        made = sorted(t.seq_id for t in result.tokens if t.seq_id != "long")
+        assert made == [s.seq_id for s in streams]
+    assert sum(chunks) == 300 and len(chunks) >= 3  # in bounded chunks, not in one step
+    while sched.has_work or in_flight:
+        pump(is_full=False)
+    assert long.output_ids == expected_tokens(long.prompt_ids, 4)
+    assert all(s.output_ids == expected_tokens(s.prompt_ids, 120) for s in streams)
+
+
+def test_the_bound_is_held_against_the_median_decode_step_not_moved_by_the_key_slope() -> None:
+    """Chunk steps cost J more than the line (as taught_with_jump): the key slope fitted to
+    them comes out 18% high (1.18 us a key for 1 us), so moving the decode steps to the
+    streams' grown contexts by it put the bound 1.51x the decode step they take at 3,000
+    keys and let a chunk of 5 run 1.47x. The median of the decode-only steps seen (the one
+    at 815 keys) holds it: 4 tokens, 1.40x."""
+    model = taught_with_jump(is_told=True)
+    fitted = model.fit_keys()
+    assert fitted is not None and fitted[2] == pytest.approx(1.1827e-6, rel=1e-4)
+    assert model.median_decode(8, fitted[1]) == pytest.approx(seconds(8, 815))
+    assert model.prefill_budget(8, position=1900, decode_keys=3000) == 4
+    assert model.bound_seconds == pytest.approx(1.5 * seconds(8, 815))
+    took = with_jump(12, 3000 + chunk_keys(4, 1900), True)
+    assert took / seconds(8, 3000) == pytest.approx(1.4002, abs=1e-4)
+
+
+def test_the_median_decode_step_follows_the_latest_window() -> None:
+    """Only the latest DECODE_WINDOW decode-only steps count: after nine at half the time
+    the bound is held against those, whatever came before; none seen: no median."""
+    model = StepCostModel(max_stall=1.5, min_chunk=16)
+    assert model.median_decode(8, B) == math.inf
+    for n, k in TAUGHT_STEPS:
+        model.observe(n, seconds(n, k), k, is_decode_only=n == 8)
+    assert model.median_decode(8, B) == pytest.approx(seconds(8, 820))
+    assert model.median_decode(10, B) == pytest.approx(seconds(8, 820) + 2 * B)
+    for _ in range(DECODE_WINDOW):
+        model.observe(8, 0.6 * seconds(8, 800), 800, is_decode_only=True)
+    assert model.median_decode(8, B) == pytest.approx(0.6 * seconds(8, 800))
+
+
+def test_the_shipped_bound_sizes_chunks_to_1_4x_the_decode_step() -> None:
+    """The shipped --max-step-stall: a chunk step takes at most 1.4x a decode-only step of
+    8 streams (56.8 ms here), so a chunk may add 22.72 ms: 11 fresh tokens (22.07 ms; 12
+    would be 24.08), 5 after 1,900 (19.52 ms; 6 would be 23.42)."""
+    assert DEFAULT.max_step_stall == 1.4
+    model = taught_at(DEFAULT.max_step_stall)
+    assert model.prefill_budget(8, position=0, decode_keys=800) == 11
+    assert model.bound_seconds == pytest.approx(1.4 * seconds(8, 800))
+    assert model.prefill_budget(8, position=1900, decode_keys=800) == 5

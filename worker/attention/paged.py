@@ -65,10 +65,20 @@ def paged_attention(
     return out
 
 
+# Most slot entries the one merged table of a step's queries may hold (2 MiB of int64): it
+# is padded to the longest table, and many short decode rows beside one long context would
+# pad to far more than they read.
+MAX_MERGED_SLOTS = 1 << 18
+
+
 def kernel_groups(batch: PagedBatch) -> list[tuple[torch.Tensor, ...]]:
     """The step's queries as paged_decode_into takes them: (slots [S, W], lens [B], rows [B],
-    tables [B], or empty where row b reads table b), one entry per decode group and per
-    prefill chunk; built on the first layer's call and kept on the batch for the others."""
+    tables [B], or empty where row b reads table b); built on the first layer's call and
+    kept on the batch for the others. Where the padded table stays within MAX_MERGED_SLOTS,
+    every decode row and every prefill chunk's rows go in one call, so that each layer's
+    attention is one parallel region whose threads split the rows by their keys, not one
+    region per group where a chunk's few long rows keep one thread busy while the other
+    waits; else one call per decode group and per prefill chunk."""
     if batch.kernel is None:
         none = torch.empty(0, dtype=torch.long)
         groups: list[tuple[torch.Tensor, ...]] = [
@@ -77,8 +87,28 @@ def kernel_groups(batch: PagedBatch) -> list[tuple[torch.Tensor, ...]]:
         for span in batch.prefills:
             table = span.slots.view(1, -1)
             groups.append((table, span.lens, span.rows, torch.zeros_like(span.rows)))
-        batch.kernel = groups
+        batch.kernel = merged(groups) or groups
     return batch.kernel
+
+
+def merged(groups: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+    """``groups`` as one (slots, lens, rows, tables) entry, or none where that table would
+    pad past MAX_MERGED_SLOTS (or there is only one group)."""
+    if len(groups) < 2:
+        return []
+    width = max(slots.shape[1] for slots, *_ in groups)
+    num_tables = sum(slots.shape[0] for slots, *_ in groups)
+    if num_tables * width > MAX_MERGED_SLOTS:
+        return []
+    table = groups[0][0].new_zeros(num_tables, width)
+    tables, first = [], 0
+    for slots, lens, _, each in groups:
+        table[first : first + slots.shape[0], : slots.shape[1]] = slots
+        own = torch.arange(lens.shape[0], device=lens.device) if not each.numel() else each
+        tables.append(own + first)
+        first += slots.shape[0]
+    lens = torch.cat([g[1] for g in groups])
+    return [(table, lens, torch.cat([g[2] for g in groups]), torch.cat(tables))]
 
 
 def _decode(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup, scale: float) -> torch.Tensor:

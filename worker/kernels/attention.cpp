@@ -237,10 +237,30 @@ void decode_one(const T* q, const T* keys, const T* values, const int64_t* slots
     for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(w.acc[h * dim + d] / w.total[h]);
 }
 
-// The b-th row to compute when B rows go in order 0, B-1, 1, B-2, ...: a prefill's rows
-// attend over 1, 2, ..., n keys, and at::parallel_for hands each thread a contiguous range,
-// so this order gives each thread as many keys as the other.
-inline int64_t zigzag(int64_t i, int64_t batch) { return i % 2 == 0 ? i / 2 : batch - 1 - i / 2; }
+// Contiguous ranges of the (row, kv head) tasks, one per part (thread), of about equal work: a
+// task costs its row's keys plus a fixed share (kTaskKeys). A step mixes decode rows over ~100
+// keys with a prompt chunk's rows over ~2,000, and a prefill's rows attend over 1, 2, ..., n
+// keys: ranges of equal task counts would leave one thread with most of the keys while the
+// other waits at the region's end. Which thread computes a row never changes its bits.
+constexpr int64_t kTaskKeys = 16;
+std::vector<int64_t> balanced_cuts(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t parts) {
+  const int64_t tasks = batch * kv_heads;
+  std::vector<int64_t> cuts(parts + 1, tasks);
+  cuts[0] = 0;
+  int64_t total = 0;
+  for (int64_t b = 0; b < batch; ++b) total += (lens[b] + kTaskKeys) * kv_heads;
+  int64_t done = 0, part = 1;
+  for (int64_t t = 0; t < tasks && part < parts; ++t) {
+    const int64_t cost = lens[t / kv_heads] + kTaskKeys;
+    // cut before t where that leaves this part nearer its share than taking t would
+    while (part < parts && 2 * (done + cost) * parts > (2 * part * total + cost * parts)) {
+      cuts[part++] = t;
+    }
+    done += cost;
+  }
+  for (int64_t p = 1; p <= parts; ++p) cuts[p] = std::max(cuts[p], cuts[p - 1]);
+  return cuts;
+}
 
 // Attention of rows[b] for b < B, each one query over the first lens[b] slots of its slot
 // table, written into out[rows[b]]: q [T, heads, D] (the step's queries), pool [2, kv_heads,
@@ -303,9 +323,11 @@ void paged_decode_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& p
     const scalar_t* kp = pool.data_ptr<scalar_t>();
     const scalar_t* vp = kp + kv_heads * num_slots * dim;
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = zigzag(task / kv_heads, batch), g = task % kv_heads;
+    const int64_t parts = std::max<int64_t>(std::min<int64_t>(at::get_num_threads(), batch * kv_heads), 1);
+    const auto cuts = balanced_cuts(len_ptr, batch, kv_heads, parts);
+    at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+      for (int64_t task = cuts[first]; task < cuts[last]; ++task) {
+        const int64_t b = task / kv_heads, g = task % kv_heads;
         const int64_t table = table_ptr ? table_ptr[b] : b;
         const int64_t at_q = (row_ptr[b] * heads + g * group) * dim;
         decode_one<scalar_t>(qp + at_q, kp + g * num_slots * dim, vp + g * num_slots * dim,
