@@ -80,3 +80,22 @@ def test_a_slow_full_collection_of_live_objects_freezes_them_a_bounded_number_of
     with structlog.testing.capture_logs() as logs:
         gc.collect()
     assert [e["is_frozen_after"] for e in logs] == [False]
+
+
+def test_what_loads_after_readiness_is_frozen_when_its_loader_is_done(fresh_heap: None) -> None:
+    """The worker's grammar tokenizer loads on a thread after readiness: frozen as its load
+    ends, no full collection walks it; a load that ends before readiness waits for the
+    start-up freeze."""
+    early = [[i] for i in range(10_000)]
+    heap.freeze_loaded("early")
+    assert gc.get_freeze_count() == 0
+    heap.freeze_startup_heap()
+    frozen = gc.get_freeze_count()
+    assert frozen >= len(early)
+    loaded_later = [[i] for i in range(20_000)]
+    with structlog.testing.capture_logs() as logs:
+        heap.freeze_loaded("grammar tokenizer")
+    assert gc.get_freeze_count() >= frozen + len(loaded_later)
+    assert not any(o is loaded_later for o in gc.get_objects(2))
+    assert [(e["event"], e["what"]) for e in logs] == [("loaded heap frozen", "grammar tokenizer")]
+    assert logs[0]["num_objects"] >= len(loaded_later)

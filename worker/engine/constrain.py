@@ -45,6 +45,7 @@ from llguidance.numpy import fill_next_token_bitmask, fill_next_token_bitmask_pa
 from transformers import AutoTokenizer
 
 from canteen.grammar import ConstraintError, GrammarCompiler
+from canteen.heap import freeze_loaded
 from canteen.logging import get_logger
 from canteen.plan import Constraint
 from worker.engine.guard import EntryError
@@ -175,6 +176,7 @@ class Constraints:
     def _preload(self) -> None:
         try:
             self.compiler  # noqa: B018 -- the property loads it
+            freeze_loaded("grammar tokenizer")
         except Exception as exc:  # the first compile tries again and fails its sequence
             log.warning("grammar tokenizer did not load", error=str(exc))
 
