@@ -55,6 +55,8 @@ log = get_logger("worker")
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 # Only the scheduler drives the worker; operators' tools may read what it serves.
 POLICY = Policy.of(Run=["scheduler"], GetInfo=["scheduler", "client"])
+# Readiness waits this long for the grammar tokenizer (worker/engine/constrain.py preload)
+GRAMMAR_LOAD_WAIT_S = 120.0
 _FORMATS = {
     registry_pb2.MODEL_FORMAT_GGUF: "gguf",
     registry_pb2.MODEL_FORMAT_SAFETENSORS: "safetensors",
@@ -319,6 +321,9 @@ async def serve(
     servicer.runner.lora.observe(LoraMetrics(metrics_registry, record.name, record.version))
     assert servicer.pool_size is not None
     metrics.set_pool(servicer.pool_size.kv_bytes, servicer.pool_size.budget_bytes)
+    constraints = servicer.runner.constraints
+    if not await asyncio.to_thread(constraints.wait_loaded, GRAMMAR_LOAD_WAIT_S):
+        log.warning("ready before the grammar tokenizer loaded", waited_s=GRAMMAR_LOAD_WAIT_S)
     await runtime.set_ready(True)
     host = advertised_host(config)
     lease = asyncio.create_task(

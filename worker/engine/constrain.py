@@ -173,6 +173,13 @@ class Constraints:
         than on the first constrained sequence: a GGUF tokenizer takes seconds to build."""
         threading.Thread(target=self._preload, name="grammar-tokenizer", daemon=True).start()
 
+    def wait_loaded(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds for the preload to end (loaded or failed); False
+        if it has not. The load holds the GIL for up to ~200 ms at a time over ~4 s
+        (SmolLM2's GGUF, AMD EPYC Zen 4): a worker that serves meanwhile stalls its steps,
+        so readiness waits for it (the warm-up runs beside it)."""
+        return self._loaded.wait(timeout)
+
     def _preload(self) -> None:
         try:
             self.compiler  # noqa: B018 -- the property loads it
