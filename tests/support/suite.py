@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
@@ -34,10 +35,21 @@ _ROLES = {
 TRANSFORMERS_DTYPE = ("--dtype", "float32")
 
 
+_RECENT_PORTS: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free on 127.0.0.1 now and not handed out lately: the kernel may give the same
+    ephemeral port to two binds in a row once the first closed, and a service then found its
+    metrics port taken by its own gRPC port (CI: "address already in use")."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _RECENT_PORTS:
+            _RECENT_PORTS.append(port)
+            return port
+    raise RuntimeError("no free port on 127.0.0.1 that was not handed out lately")
 
 
 @dataclass
