@@ -50,8 +50,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.throughput import NicedClient, questions
-from canteen.v1 import inference_pb2, inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from bench.throughput import NicedClient, greedy_requests, questions
+from canteen.v1 import inference_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.support.suite import Service, Suite, wait_serving
 
 MODES = ("shared", "subscribe", "per-request", "http")
@@ -110,11 +110,7 @@ def grpc_run(address: str, texts: list[str], tokens: int) -> tuple[float, int]:
     (every call is sent before any is read, as ``bench.throughput.suite_run`` does)."""
     with grpc.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        requests = []
-        for text in texts:
-            req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
-            req.messages.messages.add(role="user", content=text)
-            requests.append(req)
+        requests = greedy_requests(texts, tokens)
 
         def read(call: Any) -> tuple[int, int]:
             counts = [len(m.token_ids) for m in call]

@@ -85,15 +85,20 @@ def questions(n: int, tag: str) -> list[str]:
     return [f"{QUESTIONS[i % len(QUESTIONS)]} ({tag}, #{i})" for i in range(n)]
 
 
+def greedy_requests(texts: list[str], tokens: int) -> list[inference_pb2.GenerateRequest]:
+    """One greedy chat request per text, ``tokens`` new tokens each, EOS ignored."""
+    requests = []
+    for text in texts:
+        req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
+        req.messages.messages.add(role="user", content=text)
+        requests.append(req)
+    return requests
+
+
 def suite_run(address: str, texts: list[str], tokens: int) -> float:
     with grpc.insecure_channel(address) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-
-        requests = []
-        for text in texts:
-            req = inference_pb2.GenerateRequest(max_tokens=tokens, temperature=0, ignore_eos=True)
-            req.messages.messages.add(role="user", content=text)
-            requests.append(req)
+        requests = greedy_requests(texts, tokens)
 
         def read(call: Any) -> int:
             return sum(len(m.token_ids) for m in call)
