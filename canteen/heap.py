@@ -17,8 +17,9 @@ once ready (worker/engine/constrain.py), and its full collections then took 120,
 freezes what it walked too, at most ``MAX_LATE_FREEZES`` times (what is frozen is never
 collected: a cycle among those objects that dies later stays, so this stays rare). A loader
 that knows when it is done says so (``freeze_loaded``) and freezes what it built at once,
-before any collection walks it: the interference bench still saw full collections of 186 and
-158 ms in the worker's first 20 s after readiness, and single steps of 65-85 ms then.
+before any collection walks it (the worker's log still showed full collections of 186 and
+158 ms in its first 20 s after readiness). Since the worker now waits for that load before it
+is ready, this covers loads that outlast the wait.
 """
 
 from __future__ import annotations
