@@ -16,6 +16,7 @@ from canteen.admin_keys import WRITE, AdminKeys
 from canteen.auth import ApiKeys
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
+from canteen.malloc import silence_protobuf_trim
 from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
 from canteen.streams import follow_stream
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         GatewayConfig, argv, prog="python -m gateway", description="Canteen gateway"
     )
     configure_logging("gateway")
+    silence_protobuf_trim()  # canteen/malloc.py
     tls = config.load_tls("gateway")
     configure_tracing("canteen-gateway", config.otlp_endpoint, tls)
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 from canteen.admin_keys import AdminKeys
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
+from canteen.malloc import silence_protobuf_trim
 from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
 from canteen.tls import Policy, Tls
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         RegistryConfig, argv, prog="python -m registry", description="Canteen model registry"
     )
     configure_logging("registry")
+    silence_protobuf_trim()  # canteen/malloc.py
     tls = config.load_tls("registry")
     try:
         asyncio.run(serve(config, tls))

@@ -7,6 +7,7 @@ import sys
 
 from canteen.config import parse_config
 from canteen.logging import configure_logging
+from canteen.malloc import silence_protobuf_trim
 from canteen.metrics import new_registry, start_metrics_http
 from canteen.server import ServiceRuntime
 from canteen.tls import Policy, Tls
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         SchedulerConfig, argv, prog="python -m scheduler", description="Canteen scheduler"
     )
     configure_logging("scheduler")
+    silence_protobuf_trim()  # canteen/malloc.py
     tls = config.load_tls("scheduler")
     configure_tracing("canteen-scheduler", config.otlp_endpoint, tls)
     asyncio.run(serve(config, tls))

@@ -18,6 +18,7 @@ import torch
 
 from canteen.config import parse_config
 from canteen.logging import configure_logging, get_logger
+from canteen.malloc import keep_freed_memory, silence_protobuf_trim
 from canteen.metrics import new_registry, start_metrics_http
 from canteen.plan import NewSequence, Sampling, ScheduledSequence, StepPlan
 from canteen.server import ServiceRuntime
@@ -365,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
         WorkerConfig, argv, prog="python -m worker", description="Canteen model worker"
     )
     configure_logging("worker")
+    keep_freed_memory()  # canteen/malloc.py: before the model loads
+    silence_protobuf_trim()
     tls = config.load_tls("worker", config.worker_id)
     configure_tracing("canteen-worker", config.otlp_endpoint, tls)
     if config.threads:
