@@ -76,6 +76,8 @@ class BatchScheduler:
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self._pending_drops: list[str] = []
+        # Ids preempted since the link last took them: their held tokens go out now.
+        self.preempted: list[str] = []
         self._in_flight: deque[tuple[StepPlan, dict[str, Entry]]] = deque()
         self._sums = InFlightSums()  # by seq_id: its entries above, summed
         self._admit_counter = 0
@@ -125,6 +127,7 @@ class BatchScheduler:
         self.running.clear()
         self.waiting.clear()
         self._pending_drops.clear()
+        self.preempted.clear()
         self._in_flight.clear()
         self._sums.clear()
         return evicted
@@ -424,6 +427,7 @@ class BatchScheduler:
         seq.is_on_worker = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted.append(seq.seq_id)
         seq.status = Status.WAITING
         self.waiting.insert(0, seq)
 

@@ -27,7 +27,7 @@ from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
 from scheduler.cost import WARMUP_STEPS
 from scheduler.sequence import Sequence
-from scheduler.subscriptions import EventSink
+from scheduler.subscriptions import EventSink, TokenSink
 from scheduler.tiers import TierIndex
 
 log = get_logger(__name__)
@@ -189,6 +189,9 @@ class WorkerLink:
                 while (plan := self.core.schedule()) is not None:
                     await call.write(plan_to_pb(plan))
                     sent.append(time.monotonic())
+                if self.core.preempted:
+                    self._flush([self._queues.get(i) for i in self.core.preempted])
+                    self.core.preempted.clear()
                 if applied:
                     # The plan the result made room for is on the wire before the tokens'
                     # deliveries (the gateway's writes) run, so the worker's next step never
@@ -249,6 +252,14 @@ class WorkerLink:
                     del self._queues[event.seq_id]
         return now
 
+    @staticmethod
+    def _flush(sinks: list[EventSink | None]) -> None:
+        """Sequences that wait now (preempted, or orphaned) send the tokens their stream
+        interval holds: a caller does not wait with them for tokens already made."""
+        for sink in sinks:
+            if isinstance(sink, TokenSink):
+                sink.flush()
+
     def _lose(self, error: str) -> None:
         """The worker is gone: its sequences go to ``on_lost`` to run elsewhere (or fail)."""
         log.error("worker lost", worker_id=self.desc.worker_id, error=error)
@@ -259,6 +270,7 @@ class WorkerLink:
             if seq.seq_id in self._queues
         ]
         self._queues.clear()
+        self._flush([queue for _, queue in orphans])
         if self._on_lost is not None:
             self._on_lost(self, orphans)
             return
