@@ -215,19 +215,25 @@ class WorkerLink:
 
     async def _result_or_wake(self, reading: asyncio.Future[object], has_room: bool) -> bool:
         """Waits for the worker's next result (True), or, while the pipeline has room, for
-        new work (False). A result later than ``--worker-timeout`` raises TimeoutError."""
+        new work (False). A result later than ``--worker-timeout`` raises TimeoutError.
+        The result's arrival sets the wake event too: one wait, no task or ``asyncio.wait``
+        per step."""
         if not has_room:
             await asyncio.wait_for(asyncio.shield(reading), self._timeout)
             return True
+        if reading.done():
+            return True
         self._wake.clear()
-        waker: asyncio.Future[object] = asyncio.ensure_future(self._wake.wait())
-        done, _ = await asyncio.wait(
-            {reading, waker}, timeout=self._timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        waker.cancel()
-        if not done:
-            raise TimeoutError
-        return reading in done
+        reading.add_done_callback(self._wake_up)
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._wake.wait()
+        finally:
+            reading.remove_done_callback(self._wake_up)
+        return reading.done()
+
+    def _wake_up(self, _: asyncio.Future[object]) -> None:
+        self._wake.set()
 
     def _apply(self, msg: object, started: float) -> float:
         """Delivers one result's events; returns when it arrived."""
