@@ -20,7 +20,9 @@ requests as messages against a call each.
 server-sent events from ``/v1/chat/completions``, to compare the gRPC-facing side of the
 gateway with the HTTP one (``bench/http_vs_grpc.py`` does so on SmolLM2). Every run also
 prints how many messages (gRPC) or events (HTTP) the client read per token:
-``msgs_per_token`` (1.0 at stream interval 1 when every step reached the client alone).
+``msgs_per_token`` (1.0 at stream interval 1 when every step reached the client alone), and
+the host's one-minute load average as it ended (``load_1m``: CPU time per token grows on a
+busy host, so compare runs at like loads, or alternate).
 
 ``--tiny`` serves a tiny random model (steps of about a millisecond, the regime of a GPU
 worker, where the edge services bound the suite); the default is SmolLM2 on the CPU.
@@ -37,6 +39,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -192,6 +195,7 @@ def run(
         "steps": steps,
         "scheduler_us_per_step": round(1e6 * used[0] / steps, 1),
         "msgs_per_token": round(messages / made, 3),
+        "load_1m": round(os.getloadavg()[0], 2),  # the host's load as the run ended
     }
 
 

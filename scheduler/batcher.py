@@ -76,6 +76,8 @@ class BatchScheduler:
         self.num_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0
         self._pending_drops: list[str] = []
+        # Ids preempted since the link last took them: their held tokens go out now.
+        self.preempted: list[str] = []
         self._in_flight: deque[tuple[StepPlan, dict[str, Entry]]] = deque()
         self._sums = InFlightSums()  # by seq_id: its entries above, summed
         self._admit_counter = 0
@@ -125,6 +127,7 @@ class BatchScheduler:
         self.running.clear()
         self.waiting.clear()
         self._pending_drops.clear()
+        self.preempted.clear()
         self._in_flight.clear()
         self._sums.clear()
         return evicted
@@ -215,9 +218,7 @@ class BatchScheduler:
         now = self._clock()
         since = None if self._last_result_at is None else now - self._last_result_at
         self._last_result_at = now
-        current = {i: e.seq for i, e in entries.items() if e.is_current}
-        keys = sum(chunk_keys(entries[i].num_tokens, s.num_computed) for i, s in current.items())
-        decode_only = all(s.num_computed >= len(s.prompt_ids) for s in current.values())
+        current, keys, decode_only = _current(entries)
         observe_step(self.cost, self.speculation, plan, result, since, keys, decode_only)
         refused = {f.seq_id: f for f in result.failed}
         retry = self.kv.settle(result, current, set(refused))
@@ -424,6 +425,7 @@ class BatchScheduler:
         seq.is_on_worker = False
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted.append(seq.seq_id)
         seq.status = Status.WAITING
         self.waiting.insert(0, seq)
 
@@ -468,6 +470,19 @@ class BatchScheduler:
         plan = StepPlan(step_id, tuple(new), tuple(scheduled), drops, *moves)
         self._in_flight.append((plan, entries))
         return plan
+
+
+def _current(entries: dict[str, Entry]) -> tuple[dict[str, Sequence], int, bool]:
+    """A plan's sequences still in the incarnation it was sent to, the keys their chunks
+    read, and whether each computed its newest token (none a prompt's): one pass a step."""
+    current: dict[str, Sequence] = {}
+    keys, decode_only = 0, True
+    for seq_id, entry in entries.items():
+        if entry.is_current:
+            seq = current[seq_id] = entry.seq
+            keys += chunk_keys(entry.num_tokens, seq.num_computed)
+            decode_only = decode_only and seq.num_computed >= len(seq.prompt_ids)
+    return current, keys, decode_only
 
 
 def end_unplaced(seq: Sequence, finish: Finish, error: str = "") -> SeqEvent:

@@ -27,7 +27,7 @@ from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
 from scheduler.cost import WARMUP_STEPS
 from scheduler.sequence import Sequence
-from scheduler.subscriptions import EventSink
+from scheduler.subscriptions import EventSink, TokenSink
 from scheduler.tiers import TierIndex
 
 log = get_logger(__name__)
@@ -189,6 +189,9 @@ class WorkerLink:
                 while (plan := self.core.schedule()) is not None:
                     await call.write(plan_to_pb(plan))
                     sent.append(time.monotonic())
+                if self.core.preempted:
+                    self._flush([self._queues.get(i) for i in self.core.preempted])
+                    self.core.preempted.clear()
                 if applied:
                     # The plan the result made room for is on the wire before the tokens'
                     # deliveries (the gateway's writes) run, so the worker's next step never
@@ -212,19 +215,25 @@ class WorkerLink:
 
     async def _result_or_wake(self, reading: asyncio.Future[object], has_room: bool) -> bool:
         """Waits for the worker's next result (True), or, while the pipeline has room, for
-        new work (False). A result later than ``--worker-timeout`` raises TimeoutError."""
+        new work (False). A result later than ``--worker-timeout`` raises TimeoutError.
+        The result's arrival sets the wake event too: one wait, no task or ``asyncio.wait``
+        per step."""
         if not has_room:
             await asyncio.wait_for(asyncio.shield(reading), self._timeout)
             return True
+        if reading.done():
+            return True
         self._wake.clear()
-        waker: asyncio.Future[object] = asyncio.ensure_future(self._wake.wait())
-        done, _ = await asyncio.wait(
-            {reading, waker}, timeout=self._timeout, return_when=asyncio.FIRST_COMPLETED
-        )
-        waker.cancel()
-        if not done:
-            raise TimeoutError
-        return reading in done
+        reading.add_done_callback(self._wake_up)
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._wake.wait()
+        finally:
+            reading.remove_done_callback(self._wake_up)
+        return reading.done()
+
+    def _wake_up(self, _: asyncio.Future[object]) -> None:
+        self._wake.set()
 
     def _apply(self, msg: object, started: float) -> float:
         """Delivers one result's events; returns when it arrived."""
@@ -249,6 +258,14 @@ class WorkerLink:
                     del self._queues[event.seq_id]
         return now
 
+    @staticmethod
+    def _flush(sinks: list[EventSink | None]) -> None:
+        """Sequences that wait now (preempted, or orphaned) send the tokens their stream
+        interval holds: a caller does not wait with them for tokens already made."""
+        for sink in sinks:
+            if isinstance(sink, TokenSink):
+                sink.flush()
+
     def _lose(self, error: str) -> None:
         """The worker is gone: its sequences go to ``on_lost`` to run elsewhere (or fail)."""
         log.error("worker lost", worker_id=self.desc.worker_id, error=error)
@@ -259,6 +276,7 @@ class WorkerLink:
             if seq.seq_id in self._queues
         ]
         self._queues.clear()
+        self._flush([queue for _, queue in orphans])
         if self._on_lost is not None:
             self._on_lost(self, orphans)
             return

@@ -7,7 +7,8 @@ batch, where events of one step for every attached request become one message; t
 own queue gets a token-less event at its first token (its queue time is then known) and
 then only the end (finish or failure), which ends its Generate call. With a stream interval
 N > 1 the sink holds a request's tokens after its first until N have gathered (or it
-finishes), so that they ride one entry instead of N. A per-request
+finishes, or waits: preempted, or moving off a lost worker), so that they ride one entry
+instead of N. A per-request
 stream costs a message, a write and a wakeup per token; here a step costs one of each per
 gateway. A subscription belongs to the connection that opened it: a call on any other
 connection cannot attach to it (nor learn that it exists).
@@ -142,6 +143,14 @@ class TokenSink:
         if event.finish is not None:
             self._subscription.detach(self._tag)
             self._own.put_nowait(event)
+
+    def flush(self) -> None:
+        """Sends the held tokens now: the sequence waits (preempted, or moving off a lost
+        worker), and its caller should not wait with it for tokens already made."""
+        if self._held:
+            event = joined(self._held)
+            self._held, self._num_held = [], 0
+            self._subscription.push(self._tag, event, False)  # held: never the first
 
 
 class Subscriptions:

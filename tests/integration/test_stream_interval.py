@@ -1,6 +1,6 @@
 """A stream interval on the real suite: N tokens per message over gRPC and HTTP, the same
-tokens and text for every N, a stop string inside a gathered message, a cancel while tokens
-are held, and the bound."""
+tokens and text for every N, a stop string and a stop token inside a gathered message, a
+cancel while tokens are held, and the bound."""
 
 from __future__ import annotations
 
@@ -109,6 +109,24 @@ def test_a_stop_string_inside_a_gathered_message_ends_where_it_would_alone(
     for interval in (3, 4):
         text, tokens, end = _chat(client, interval, stop=[stop])
         assert (text, _flat(tokens), end) == (alone[0], _flat(alone[1]), alone[2])
+
+
+def test_a_stop_token_inside_a_gathered_message_ends_where_it_would_alone(
+    suite: TinySuite,
+) -> None:
+    """A stop token (what EOS is) while tokens are held: the stream ends at it with every
+    token before it delivered, the same text and finish as with every token alone."""
+    ids = [t for m in _generate(suite) for t in m.token_ids]
+    at = next(i for i, t in enumerate(ids) if i >= 5 and ids.index(t) == i)
+    alone = _generate(suite, stop_token_ids=[ids[at]])
+    assert [t for m in alone for t in m.token_ids] == ids[:at]
+    for interval in (3, 4):
+        messages = _generate(suite, stop_token_ids=[ids[at]], stream_interval=interval)
+        assert [t for m in messages for t in m.token_ids] == ids[:at]
+        assert "".join(m.text for m in messages) == "".join(m.text for m in alone)
+        assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert messages[-1].usage.completion_tokens == alone[-1].usage.completion_tokens
+        assert len(messages) < len(alone)  # the tokens did ride together
 
 
 def test_a_cancel_while_tokens_are_held_frees_the_request(suite: TinySuite) -> None:

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
+from canteen.batching import BatchConfig
 from canteen.finish import Finish
 from canteen.v1 import common_pb2, scheduler_pb2
 from gateway.config import GatewayConfig
 from gateway.output import Output, TextDelta
 from gateway.tokenizers import Tokenizer
-from scheduler.sequence import SeqEvent
+from scheduler.link import LinkSettings, WorkerDescription, WorkerLink
+from scheduler.sequence import SeqEvent, Status
 from scheduler.subscriptions import Subscriptions
 from tests.support.tiny_model import build_tokenizer
-from tests.unit.test_batcher import make_seq
+from tests.unit.test_batcher import BLOCK_SIZE, FakeWorker, make_seq, run_alone
+from tests.unit.test_pipeline import _RunCall
 
 
 def _event(seq_id: str, token: int, finish: Finish | None = None) -> SeqEvent:
@@ -112,3 +116,35 @@ def test_the_gateway_default_is_bounded_like_the_field() -> None:
     for bad in (0, 65):
         with pytest.raises(ValueError, match=f"^stream_interval={bad}: must be in 1..64$"):
             GatewayConfig(stream_interval=bad)
+
+
+async def test_a_preempted_request_s_held_tokens_go_out_while_it_waits() -> None:
+    """Two requests on a pool that holds one: the later is preempted mid-interval, and the
+    tokens it made go out then, not when it resumes; every token arrives, as made alone."""
+    desc = WorkerDescription(
+        "w", "127.0.0.1:1", "m", "v1", 6, BLOCK_SIZE, 256, frozenset(), 64, 128
+    )
+    limits = BatchConfig(
+        max_batched_tokens=64, max_num_seqs=16, watermark_blocks=1, max_step_stall=0
+    )
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")  # never dialled: the call is fake
+    link = WorkerLink(desc, channel, LinkSettings(batch=limits, enable_prefix_cache=False))
+    subscription = Subscriptions().open("ipv4:127.0.0.1:5000")
+    seqs = [make_seq(n, prompt_len=6, max_tokens=12, arrival_time=t) for t, n in enumerate("ab")]
+    for tag, seq in enumerate(seqs):
+        link.adopt(seq, subscription.attach(tag, seq, asyncio.Queue(), interval=16))
+    runs = asyncio.create_task(link._loop(_RunCall(FakeWorker(6), [])))
+    entries: dict[int, list[tuple[tuple[int, ...], bool]]] = {0: [], 1: []}  # ids, waiting
+    num_finished = 0
+    while num_finished < 2:
+        for tag, event, _ in await subscription.next_batch():
+            entries[tag].append((event.token_ids, seqs[tag].status is Status.WAITING))
+            num_finished += event.finish is not None
+    runs.cancel()
+    await channel.close()
+    assert link.core.num_preemptions == 1 and seqs[1].num_preemptions == 1
+    assert [len(e) for e in entries.values()] == [2, 3]  # the first, (the held,) the rest
+    _, (held, was_waiting), _ = entries[1]
+    assert was_waiting and 1 <= len(held) < 11
+    for tag, name in enumerate("ab"):
+        assert [t for ids, _ in entries[tag] for t in ids] == run_alone(6, 12, name)
