@@ -4,7 +4,8 @@ A worker holds some 390,000 objects once the model is loaded (torch, transformer
 tokenizer); a full collection walks them all: 206-211 ms of CPU on the AMD EPYC (Zen 4) of
 README, Speed. Python starts one whenever enough new objects survived, in whichever step
 allocated the last of them, so every stream of that step waited for it: the interference
-bench's single 85 ms and 336 ms gaps beside a long prompt's prefill. What start-up built
+bench's single 336 ms gap beside a long prompt's prefill (its later 65-86 ms gaps were
+protobuf's periodic ``malloc_trim``: canteen/malloc.py). What start-up built
 lives as long as the process, so once a service is ready it is moved out of the collector's
 sight (``gc.freeze``, as production Python servers do after start-up, vLLM's engine
 included); a full collection then walks only what was made since (0.0 ms right after).
