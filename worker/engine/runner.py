@@ -192,16 +192,19 @@ class ModelRunner:
         masks = self.constraints.begin([i.seq_id for i in plan.scheduled if self._samples(i)])
         deferred: list[str] = []
         try:
-            forward_start = time.perf_counter_ns()
-            logits, sample_rows = self._forward(plan)
-            sample_start = time.perf_counter_ns()
-            proposed = {
-                s.seq_id: len(self.sequences[s.seq_id].drafts)
-                for s in plan.scheduled
-                if s.num_draft_tokens
-            }
-            num_drafts = sum(proposed.values())
-            tokens = self._sample_and_advance(plan, logits, sample_rows, masks, failed, deferred)
+            with torch.inference_mode():  # the sampler's ops too: no autograd bookkeeping
+                forward_start = time.perf_counter_ns()
+                logits, sample_rows = self._forward(plan)
+                sample_start = time.perf_counter_ns()
+                proposed = {
+                    s.seq_id: len(self.sequences[s.seq_id].drafts)
+                    for s in plan.scheduled
+                    if s.num_draft_tokens
+                }
+                num_drafts = sum(proposed.values())
+                tokens = self._sample_and_advance(
+                    plan, logits, sample_rows, masks, failed, deferred
+                )
         finally:
             self.constraints.finish(masks)  # no fill outlives its step
         done = time.perf_counter_ns()
@@ -411,7 +414,8 @@ class ModelRunner:
         # one row per sampled position: a sequence's last token, then each of its drafts
         sampling_seqs = [self.sequences[i.seq_id] for i in plan.scheduled if self._samples(i)]
         per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
-        rows = logits[: len(per_row)]  # the sampler ranks bfloat16 logits in float32
+        # the sampler ranks bfloat16 logits in float32
+        rows = logits if logits.shape[0] == len(per_row) else logits[: len(per_row)]
         held: set[str] = set()
         if masks is not None:
             held = self._settle(sampling_seqs, len(plan.scheduled), failed, deferred)
