@@ -89,7 +89,7 @@ class BatchBuilder:
         # ids, positions and slots in one tensor [3, T]: one copy from Python, three rows
         input_ids, positions, slot_mapping = torch.tensor(
             [ids, pos, slots], dtype=torch.long, device=self.device
-        )
+        ).unbind()
         batch = PagedBatch(
             kv_pool=self.kv_pool,
             slot_mapping=slot_mapping,
@@ -124,7 +124,7 @@ class BatchBuilder:
         # rows and lengths in one tensor: [2, B] -> index, lens
         index, lens = torch.tensor(
             [[r for r, _, _ in group], [n for _, _, n in group]], device=device
-        )
+        ).unbind()
         return DecodeGroup(
             index=index,
             block_tables=block_tables,
