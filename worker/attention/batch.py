@@ -63,6 +63,7 @@ class BatchBuilder:
         self.max_group_blocks = max_group_blocks
         self.dtype = dtype
         self.device = kv_pool.device
+        self._offsets = torch.arange(block_size, device=self.device)  # a block's slot offsets
 
     def build(self, rows: list[Row]) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, list[int]]:
         """(batch, input ids, positions, the flat indices of the kept logits, in order)."""
@@ -85,21 +86,22 @@ class BatchBuilder:
             else:
                 spans.append((first, end - start, end, r.block_ids[: (end + bs - 1) // bs]))
             keep.extend(range(len(ids) - r.num_logits, len(ids)))
+        # ids, positions and slots in one tensor [3, T]: one copy from Python, three rows
+        input_ids, positions, slot_mapping = torch.tensor(
+            [ids, pos, slots], dtype=torch.long, device=self.device
+        ).unbind()
         batch = PagedBatch(
             kv_pool=self.kv_pool,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=slot_mapping,
             max_scores=self.max_batched_tokens**2,
             decodes=[self._decode_group(g) for g in group_decodes(decodes, self.max_group_blocks)],
             prefills=[self._prefill_span(*span) for span in spans],
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         return batch, input_ids, positions, keep
 
     def _slots(self, block_tables: torch.Tensor) -> torch.Tensor:
         """[..., n] block ids -> [..., n * block_size] slot ids, in token order."""
-        offsets = torch.arange(self.block_size, device=block_tables.device)
-        return (block_tables.unsqueeze(-1) * self.block_size + offsets).flatten(-2)
+        return (block_tables.unsqueeze(-1) * self.block_size + self._offsets).flatten(-2)
 
     def _prefill_span(self, start: int, q_len: int, ctx_len: int, blocks: list[int]) -> PrefillSpan:
         device = self.device
@@ -118,17 +120,15 @@ class BatchBuilder:
         device = self.device
         width = max(len(table) for _, table, _ in group)
         padded = [table + [0] * (width - len(table)) for _, table, _ in group]
-        lens = torch.tensor([n for _, _, n in group], device=device)
-        keys = torch.arange(width * self.block_size, device=device)
-        mask = keys.unsqueeze(0) < lens.unsqueeze(1)  # [B, L]
         block_tables = torch.tensor(padded, dtype=torch.long, device=device)
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=device)
+        # rows and lengths in one tensor: [2, B] -> index, lens
+        index, lens = torch.tensor(
+            [[r for r, _, _ in group], [n for _, _, n in group]], device=device
+        ).unbind()
         return DecodeGroup(
-            index=torch.tensor([row for row, _, _ in group], dtype=torch.long, device=device),
+            index=index,
             block_tables=block_tables,
-            mask=mask[:, None, None, :],
             slots=self._slots(block_tables).flatten(),
-            bias=bias.masked_fill_(~mask, float("-inf")).unsqueeze(1),
             lens=lens,
         )
 

@@ -44,14 +44,32 @@ class PrefillSpan:
 
 @dataclass
 class DecodeGroup:
-    """Decode rows attended together: ``block_tables`` padded, ``mask`` hides the padding."""
+    """Decode rows attended together: ``block_tables`` padded, ``padding_mask`` hides the
+    padding. Canteen's CPU kernel reads ``lens`` instead: the mask and the bias are built on
+    a torch path's first use (or given, as a captured graph does), not every step."""
 
     index: torch.Tensor
     block_tables: torch.Tensor
-    mask: torch.Tensor
     slots: torch.Tensor  # [B * L] every row's slots, padded (worker/model/forward.py)
-    bias: torch.Tensor  # [B, 1, L] 0 or -inf: the padding, as an additive bias
     lens: torch.Tensor  # [B] each row's context length (its slots past it are padding)
+    mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a row has a key
+    bias: torch.Tensor | None = None  # [B, 1, L] 0 or -inf: the padding, as an additive bias
+
+    def padding_mask(self) -> torch.Tensor:
+        """[B, 1, 1, L]: True at each row's first ``lens`` slots."""
+        if self.mask is None:
+            width = self.slots.numel() // self.lens.shape[0]
+            keys = torch.arange(width, device=self.lens.device)
+            self.mask = (keys.unsqueeze(0) < self.lens.unsqueeze(1))[:, None, None, :]
+        return self.mask
+
+    def padding_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """[B, 1, L]: 0 at each row's first ``lens`` slots, -inf past them."""
+        if self.bias is None:
+            valid = self.padding_mask()[:, 0]  # [B, 1, L]
+            zeros = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+            self.bias = zeros.masked_fill_(~valid, float("-inf"))
+        return self.bias
 
 
 @dataclass
@@ -123,7 +141,7 @@ def _attend_decode(
     k = _gather(k_pool, group.block_tables)
     v = _gather(v_pool, group.block_tables)
     attn = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=group.mask, scale=scaling, enable_gqa=True
+        q, k, v, attn_mask=group.padding_mask(), scale=scaling, enable_gqa=True
     )
     out[group.index] = attn.squeeze(2)
 

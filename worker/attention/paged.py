@@ -9,16 +9,17 @@ a batched matmul wants:
                    scores = q [kv_heads, B, group, D] @ keys^T  (no per-head copies, no
                    repeat of the shared KV heads)
 
-The slot indices and the padding bias are built once per step (worker/engine/runner.py) and shared
-by every layer. On the CPU, every query goes to Canteen's own kernel
-(``torch.ops.canteen.paged_decode_into``, worker/kernels/), which reads each row's slots in
-place: a decode row over its own slots, each query of a prefill chunk over its sequence's
-slots up to its own position. One kernel for every query, reducing over keys in position
-order, so a token's attention output is the same bits whichever step computed it (README,
-Exactness). Elsewhere, or without the kernel, torch has no op that reads blocks in place, so
-each layer copies the keys and values it attends over once: measured here (1 thread, batch 16, 112
-tokens of context, bfloat16) that copy is 43 us of the 220 us a layer's decode attention
-takes, where indexing ``pool[block_tables]`` into transformers' SDPA path took 2,060 us.
+The slot indices are built once per step (worker/attention/batch.py), and the padding bias on a
+torch path's first layer, and shared by every layer. On the CPU, every query goes to Canteen's
+own kernel (``torch.ops.canteen.paged_decode_into``, worker/kernels/), which reads each row's
+slots in place: a decode row over its own slots, each query of a prefill chunk over its
+sequence's slots up to its own position. One kernel for every query, reducing over keys in
+position order, so a token's attention output is the same bits whichever step computed it
+(README, Exactness). Elsewhere, or without the kernel, torch has no op that reads blocks in
+place, so each layer copies the keys and values it attends over once: measured here (1 thread,
+batch 16, 112 tokens of context, bfloat16) that copy is 43 us of the 220 us a layer's decode
+attention takes, where indexing ``pool[block_tables]`` into transformers' SDPA path took 2,060
+us.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _decode(pool: torch.Tensor, q: torch.Tensor, group: DecodeGroup, scale: floa
         # the context grows: float32 goes to MKL, which keeps nothing per shape.
         q, keys, values = q.float(), keys.float(), values.float()
     grouped = (q * scale).view(rows, kv_heads, heads // kv_heads, dim).transpose(0, 1)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).add_(group.bias)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).add_(group.padding_bias(dtype))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     out = torch.matmul(probs, values)  # [kv_heads, B, group, D]
     return out.transpose(0, 1).reshape(rows, heads * dim).to(dtype)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -61,6 +62,7 @@ class WorkerMetrics:
             registry=registry,
         )
         self._last_end = 0
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}  # see _child
         self.steps = Counter(
             "canteen_worker_steps", "Steps the worker ran", labels, registry=registry
         )
@@ -95,22 +97,33 @@ class WorkerMetrics:
         num_sequences: int,
         timing: StepTiming | None = None,
     ) -> None:
-        self.sequences.labels(*self._labels).set(num_sequences)
+        child = self._child
+        child(self.sequences).set(num_sequences)
         if not plan.scheduled:
             return
-        self.step_duration.labels(*self._labels, plan.kind).observe(result.total_ns / 1e9)
-        self.steps.labels(*self._labels).inc()
+        kind = plan.kind
+        child(self.step_duration, kind).observe(result.total_ns / 1e9)
+        child(self.steps).inc()
         if result.deferred_seq_ids:
-            self.deferred_rows.labels(*self._labels).inc(len(result.deferred_seq_ids))
+            child(self.deferred_rows).inc(len(result.deferred_seq_ids))
         if timing is None:
             return
-        self.step_cpu.labels(*self._labels, plan.kind).observe(timing.cpu_ns / 1e9)
+        child(self.step_cpu, kind).observe(timing.cpu_ns / 1e9)
         last, self._last_end = self._last_end, timing.ended
-        if plan.kind != "decode" or not last or timing.began < last:
+        if kind != "decode" or not last or timing.began < last:
             return
         waited = max(timing.arrived - last, 0)  # the engine was free before the plan came
-        self.idle.labels(*self._labels, "plan").observe(waited / 1e9)
-        self.idle.labels(*self._labels, "handoff").observe((timing.began - last - waited) / 1e9)
+        child(self.idle, "plan").observe(waited / 1e9)
+        child(self.idle, "handoff").observe((timing.began - last - waited) / 1e9)
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(model, version, *values)``, looked up once: labels() validates and
+        locks on every call, and a step observes seven series."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*self._labels, *values)
+        return found
 
 
 class SequenceSpans:

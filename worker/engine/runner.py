@@ -25,6 +25,7 @@ from canteen.plan import (
 from worker.attention.batch import BatchBuilder, Row, new_kv_pool
 from worker.attention.interface import PagedBatch
 from worker.engine.constrain import Constraints, GrammarOptions, StepMasks, load_tokenizer
+from worker.engine.drafts import draft_limit, propose
 from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
 from worker.engine.guard import BlockLedger, EntryError, root_key
 from worker.engine.sampler import sample
@@ -35,8 +36,8 @@ from worker.lora.manager import LoraManager
 from worker.lora.store import LoraOptions
 from worker.model.forward import FastModel
 from worker.model.loader import LoadedModel
-from worker.speculation.draft import DraftModel, DraftRequest, can_share_kv
-from worker.speculation.speculate import SpeculationConfig, accept, propose_ngram
+from worker.speculation.draft import DraftModel, can_share_kv
+from worker.speculation.speculate import SpeculationConfig, accept
 
 # How long a step that holds only sequences whose grammars still compile waits for one of
 # them (seconds): nobody else waits behind it, and the scheduler need not plan it again.
@@ -191,16 +192,19 @@ class ModelRunner:
         masks = self.constraints.begin([i.seq_id for i in plan.scheduled if self._samples(i)])
         deferred: list[str] = []
         try:
-            forward_start = time.perf_counter_ns()
-            logits, sample_rows = self._forward(plan)
-            sample_start = time.perf_counter_ns()
-            proposed = {
-                s.seq_id: len(self.sequences[s.seq_id].drafts)
-                for s in plan.scheduled
-                if s.num_draft_tokens
-            }
-            num_drafts = sum(proposed.values())
-            tokens = self._sample_and_advance(plan, logits, sample_rows, masks, failed, deferred)
+            with torch.inference_mode():  # the sampler's ops too: no autograd bookkeeping
+                forward_start = time.perf_counter_ns()
+                logits, sample_rows = self._forward(plan)
+                sample_start = time.perf_counter_ns()
+                proposed = {
+                    s.seq_id: len(self.sequences[s.seq_id].drafts)
+                    for s in plan.scheduled
+                    if s.num_draft_tokens
+                }
+                num_drafts = sum(proposed.values())
+                tokens = self._sample_and_advance(
+                    plan, logits, sample_rows, masks, failed, deferred
+                )
         finally:
             self.constraints.finish(masks)  # no fill outlives its step
         done = time.perf_counter_ns()
@@ -331,7 +335,12 @@ class ModelRunner:
             if graphed is not None and self.graphs is not None:
                 return self.graphs.run(graphed), list(range(len(graphed)))
             batch, input_ids, positions, sample_rows = self._build(plan)
-            keep = torch.tensor(sample_rows or [input_ids.shape[0] - 1], device=self.loaded.device)
+            num_rows = input_ids.shape[0]  # kept rows ascend: as many as rows is every row
+            keep = (
+                None
+                if len(sample_rows) == num_rows
+                else torch.tensor(sample_rows or [num_rows - 1], device=self.loaded.device)
+            )
             seqs = [(self.sequences[i.seq_id], i.num_tokens) for i in plan.scheduled]
             rows = [(s.adapter, n + len(s.drafts)) for s, n in seqs]  # drafts set by _build
             lora = self.lora.step(rows, self.loaded.device)
@@ -374,35 +383,14 @@ class ModelRunner:
 
     def _propose(self, plan: StepPlan) -> dict[str, list[int]]:
         """Draft tokens per sequence, by prompt lookup or from the draft model."""
-        spec = self.speculation
-        if not spec.is_on:
+        if not self.speculation.is_on:
             return {}
         wanted = [(self.sequences[i.seq_id], self._draft_limit(i)) for i in plan.scheduled]
-        wanted = [(seq, k) for seq, k in wanted if k > 0]
-        if self.draft is not None:
-            requests = [
-                DraftRequest(s.seq_id, s.tokens, s.block_ids, k, s.num_computed) for s, k in wanted
-            ]
-            return self.draft.propose(requests)
-        return {
-            seq.seq_id: propose_ngram(seq.tokens, k, spec.max_ngram, spec.min_ngram)
-            for seq, k in wanted
-        }
+        return propose(wanted, self.speculation, self.draft)
 
     def _draft_limit(self, item: ScheduledSequence) -> int:
-        """Drafts ``item`` may verify: only where the scheduler granted them, the sequence
-        samples this step, is unconstrained, and its blocks have room."""
-        seq = self.sequences[item.seq_id]
-        end = seq.num_computed + item.num_tokens
-        if not item.num_draft_tokens or end != len(seq.tokens):
-            return 0
-        if seq.sampling.constraint is not None:
-            return 0  # each draft would need the grammar's state after the one before
-        room = len(seq.block_ids) * self.block_size - end
-        spec = self.speculation
-        return max(
-            min(item.num_draft_tokens, spec.num_tokens, room, self.max_model_len - end - 1), 0
-        )
+        seq, spec = self.sequences[item.seq_id], self.speculation
+        return draft_limit(seq, item, spec, self.block_size, self.max_model_len)
 
     def _samples(self, item: ScheduledSequence) -> bool:
         """Whether ``item`` computes its sequence's last token this step (and so samples)."""
@@ -426,7 +414,8 @@ class ModelRunner:
         # one row per sampled position: a sequence's last token, then each of its drafts
         sampling_seqs = [self.sequences[i.seq_id] for i in plan.scheduled if self._samples(i)]
         per_row = [(s, i) for s in sampling_seqs for i in range(1 + len(s.drafts))]
-        rows = logits[: len(per_row)]  # the sampler ranks bfloat16 logits in float32
+        # the sampler ranks bfloat16 logits in float32
+        rows = logits if logits.shape[0] == len(per_row) else logits[: len(per_row)]
         held: set[str] = set()
         if masks is not None:
             held = self._settle(sampling_seqs, len(plan.scheduled), failed, deferred)

@@ -76,7 +76,8 @@ def sample(
     # are ranked in float32)
     best, chosen, norm = greedy_pick(logits)
     sampled = [row for row, s in enumerate(samplings) if not s.is_greedy]
-    if sampled or any(s.top_logprobs > 0 for s in samplings):
+    has_tops = any(s.top_logprobs > 0 for s in samplings)
+    if sampled or has_tops:
         logits = logits.float()  # a no-op in float32
     for row in sampled:
         sampling = samplings[row]
@@ -86,6 +87,8 @@ def sample(
         chosen[row] = torch.multinomial(probs, 1, generator=generator)[0]
     if sampled:
         best = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    if not has_tops:
+        return chosen.tolist(), (best - norm).tolist(), [()] * len(samplings)
     tops: list[tuple[tuple[int, float], ...]] = []
     for row, sampling in enumerate(samplings):
         if sampling.top_logprobs <= 0:

@@ -5,9 +5,10 @@ transformers loads the weights; this module takes them over once at load:
     q, k, v projections   -> one fused QKV linear     (worker/model/quant.py prepares the kernel)
     gate, up projections  -> one fused gate-up linear
     attention             -> worker/attention/paged.py, reading the paged pool directly
-    rotary                -> applied to q and k together, cos/sin computed once per step
+    rotary                -> applied to q and k together, cos/sin looked up per step in tables
+                             transformers' rotary module filled at load (worker/model/rotary.py)
 
-The rotary tables and the activation are transformers' own modules, so what they compute is
+The rotary values and the activation are transformers' own modules', so what they compute is
 the reference's computation; so are the RMSNorms, computed on the CPU by Canteen's one-pass
 kernel (worker/kernels/, bit-equal in bfloat16, within float32 rounding of the sum's order).
 A family is listed in FAMILIES only when this file
@@ -39,6 +40,7 @@ from worker.model.quant import (
     kernel_form,
     make_linear,
 )
+from worker.model.rotary import module_rotary, rotary_tables
 
 log = get_logger(__name__)
 
@@ -231,7 +233,8 @@ def _stack(layers: list[Layer]) -> Stack | None:
 
 
 class FastModel:
-    """The decoder over one flattened step: token ids [T] -> logits [len(keep), vocab]."""
+    """The decoder over one flattened step: token ids [T] -> logits [len(keep), vocab], or
+    [T, vocab] with ``keep`` None (every row kept)."""
 
     def __init__(self, hf: PreTrainedModel, quantization: str, q4: dict[str, Groups]) -> None:
         config = hf.config
@@ -251,6 +254,10 @@ class FastModel:
         body = hf.model
         self.embed = body.embed_tokens.weight.detach()
         self.rotary = body.rotary_emb
+        # every position the model serves (the worker's context is max_position_embeddings)
+        self.rotary_tables = rotary_tables(
+            self.rotary, config.max_position_embeddings, self.embed.dtype, self.embed.device
+        )
         self.norm = _norm(body.norm, _uses_kernels(body.norm.weight))
         self.layers = [
             Layer(layer, i, self.shape, quantization, q4) for i, layer in enumerate(body.layers)
@@ -293,7 +300,7 @@ class FastModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         batch: PagedBatch,
-        keep: torch.Tensor,
+        keep: torch.Tensor | None,
         lora: StepLora | None = None,
     ) -> torch.Tensor:
         """``lora``: the step's adapters, applied inside decode_layers where every adapter
@@ -301,10 +308,11 @@ class FastModel:
         x = F.embedding(input_ids, self.embed)
         if self.shape.embedding != 1.0:
             x = x * self.shape.embedding
-        cos, sin = self.rotary(x, positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [T, 1, head_dim]
-        half = sin.shape[-1] // 2
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # signed for _rotate
+        # [T, 1, head_dim] each; sin signed for _rotate
+        tables = self.rotary_tables
+        cos, sin = (
+            module_rotary(self.rotary, positions, x.dtype) if tables is None else tables(positions)
+        )
         stack = self.stack
         kernel_lora = None if lora is None else lora.kernel_args()
         if stack is not None and (lora is None or kernel_lora is not None):
@@ -312,7 +320,7 @@ class FastModel:
         else:
             for i, layer in enumerate(self.layers):
                 x = layer(x, cos, sin, layer_view(batch.kv_pool, i), batch, lora)
-        logits = self.lm_head(self.norm(x.index_select(0, keep)))
+        logits = self.lm_head(self.norm(x if keep is None else x.index_select(0, keep)))
         return logits if self.shape.logits == 1.0 else logits / self.shape.logits
 
     def _decode_layers(

@@ -25,8 +25,8 @@ log = get_logger(__name__)
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "granite", "olmo2"})
 FORWARDS = ("fast", "transformers")
 
-# (input_ids [T], positions [T], batch, rows to keep [R]) -> logits [R, vocab]
-Forward = Callable[[torch.Tensor, torch.Tensor, PagedBatch, torch.Tensor], torch.Tensor]
+# (input_ids [T], positions [T], batch, rows to keep [R] or None: all) -> logits [R, vocab]
+Forward = Callable[[torch.Tensor, torch.Tensor, PagedBatch, torch.Tensor | None], torch.Tensor]
 
 
 class ModelLoadError(Exception):
@@ -247,13 +247,16 @@ def _forward(
         use_skinny_linears(model)
 
     def run(
-        input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch, keep: torch.Tensor
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: PagedBatch,
+        keep: torch.Tensor | None,
     ) -> torch.Tensor:
         out = model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             use_cache=False,
-            logits_to_keep=keep,
+            logits_to_keep=0 if keep is None else keep,  # 0: every row
             paged_batch=batch,
         )
         logits: torch.Tensor = out.logits[0]
