@@ -215,13 +215,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         admitted = await self._service.admit(inp, principal)
         return request_id, self._service.stream(admitted, context.time_remaining())
 
-    async def Generate(
+    async def Generate(  # type: ignore[override]
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+    ) -> None:
+        """Writes each message itself (grpc.aio's reader-writer form): as a generator it
+        would be one more layer that every message passes through."""
         try:
             request_id, deltas = await self._open(request, context)
+            write = context.write
             async for delta in deltas:
-                yield response_of(request_id, delta)
+                await write(response_of(request_id, delta))
         except RateLimitedError as exc:
             await _abort_limited(context, exc)
         except Exception as exc:
