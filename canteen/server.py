@@ -9,7 +9,6 @@ refused with UNAVAILABLE; in-flight RPCs get ``grace_seconds`` to finish.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -150,21 +149,11 @@ def _counted(
     streaming = handler.unary_stream or handler.stream_stream
     if streaming is not None:
         # One wrapper serves both: the first argument is a request or a request iterator.
-        # A coroutine that writes each message itself (grpc.aio's reader-writer form), not
-        # an async generator around the handler's: grpc.aio writes a generator's messages
-        # with the same context.write, so a generator here would be one more layer that
-        # every streamed message passes through. A coroutine handler writes its own.
-        writes_itself = inspect.iscoroutinefunction(streaming)
-
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
             await admit(request, context)
             try:
-                if writes_itself:
-                    await streaming(request, context)
-                    return
-                write = context.write
                 async for item in streaming(request, context):
-                    await write(item)
+                    yield item
             finally:
                 leave()
 

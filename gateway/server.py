@@ -215,16 +215,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         admitted = await self._service.admit(inp, principal)
         return request_id, self._service.stream(admitted, context.time_remaining())
 
-    async def Generate(  # type: ignore[override]
+    async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> None:
-        """Writes each message itself (grpc.aio's reader-writer form): as a generator it
-        would be one more layer that every message passes through."""
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         try:
             request_id, deltas = await self._open(request, context)
-            write = context.write
             async for delta in deltas:
-                await write(response_of(request_id, delta))
+                yield response_of(request_id, delta)
         except RateLimitedError as exc:
             await _abort_limited(context, exc)
         except Exception as exc:
