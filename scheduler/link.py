@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import grpc
 
 from canteen.batching import DEFAULT, BatchConfig
-from canteen.codec import plan_to_pb, result_from_pb
+from canteen.codec import PlanEncoder, result_from_pb
 from canteen.codec.fields import from_pb
 from canteen.finish import Finish
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
-from canteen.v1 import worker_pb2, worker_pb2_grpc
+from canteen.v1 import worker_pb2
 from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
 from scheduler.cost import WARMUP_STEPS
@@ -103,7 +103,14 @@ class WorkerLink:
         self._timeout = settings.worker_timeout or None
         self.last_batch_size = 0
         self._channel = channel
-        self._stub = worker_pb2_grpc.WorkerStub(channel)
+        # Worker/Run with plans written as their wire bytes (PlanEncoder reuses a decoding
+        # sequence's entry from step to step), not a StepPlan message the stub serializes.
+        self._run = channel.stream_stream(
+            "/canteen.v1.Worker/Run",
+            request_serializer=None,
+            response_deserializer=worker_pb2.StepResult.FromString,
+        )
+        self._encode_plan = PlanEncoder()
         limits = dataclasses.replace(settings.batch, max_batched_tokens=desc.max_batched_tokens)
         pool = BlockPool(
             desc.num_blocks,
@@ -152,7 +159,7 @@ class WorkerLink:
         self._wake.set()
 
     async def run(self) -> None:
-        call = self._stub.Run()
+        call = self._run()
         try:
             await self._loop(call)
         except grpc.aio.AioRpcError as exc:
@@ -187,7 +194,7 @@ class WorkerLink:
                     await call.done_writing()
                     return
                 while (plan := self.core.schedule()) is not None:
-                    await call.write(plan_to_pb(plan))
+                    await call.write(self._encode_plan(plan))
                     sent.append(time.monotonic())
                 if self.core.preempted:
                     self._flush([self._queues.get(i) for i in self.core.preempted])

@@ -18,9 +18,10 @@ from canteen.codec.sampling import (
     sampling_to_pb,
 )
 from canteen.codec.schedule import batch_to_pb, request_from_pb, request_to_pb, response_to_pb
-from canteen.codec.step import plan_from_pb, plan_to_pb, result_from_pb, result_to_pb
+from canteen.codec.step import PlanEncoder, plan_from_pb, plan_to_pb, result_from_pb, result_to_pb
 
 __all__ = [
+    "PlanEncoder",
     "batch_to_pb",
     "constraint_from_pb",
     "constraint_to_pb",

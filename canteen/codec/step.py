@@ -38,6 +38,7 @@ _NEW_TO = list_encoder(
     adapter=lambda n: adapter_to_pb(n.adapter),
 )
 _SCHEDULED_TO = list_encoder(ScheduledSequence, worker_pb2.ScheduledSequence)
+_SCHEDULED_ONE = encoder(ScheduledSequence, worker_pb2.ScheduledSequence)
 _PLAN_FROM = decoder(worker_pb2.StepPlan, StepPlan, "new_sequences", "scheduled")
 _NEW_FROM = tuple_decoder(
     worker_pb2.NewSequence,
@@ -66,6 +67,51 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
     return _PLAN_TO(
         plan, new_sequences=_NEW_TO(plan.new_sequences), scheduled=_SCHEDULED_TO(plan.scheduled)
     )
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_SCHEDULED_TAG = b"\x1a"  # StepPlan.scheduled: field 3, length-delimited
+
+
+class PlanEncoder:
+    """A plan's wire bytes, the ``StepPlan`` that ``plan_to_pb`` builds (the worker parses
+    the same message), without a message per scheduled sequence: a decoding sequence is
+    scheduled with the same entry step after step (its id, one token, no new block), so
+    that entry's bytes are kept and reused. Entries with new blocks are encoded each time.
+    The scheduled entries follow the plan's other fields on the wire; a parser reads a
+    repeated field's entries in order wherever they stand."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self._entries: dict[ScheduledSequence, bytes] = {}
+        self._max_entries = max_entries
+
+    def __call__(self, plan: StepPlan) -> bytes:
+        entries = self._entries
+        if len(entries) >= self._max_entries:  # finished sequences' entries go in bulk
+            entries.clear()
+        head = _PLAN_TO(plan, new_sequences=_NEW_TO(plan.new_sequences), scheduled=())
+        wire = [head.SerializeToString()]
+        for s in plan.scheduled:
+            if s.new_block_ids:  # new blocks: an entry of this step only
+                wire.append(_entry(s))
+            elif (entry := entries.get(s)) is not None:
+                wire.append(entry)
+            else:
+                wire.append(entries.setdefault(s, _entry(s)))
+        return b"".join(wire)
+
+
+def _entry(s: ScheduledSequence) -> bytes:
+    body = _SCHEDULED_ONE(s).SerializeToString()
+    return _SCHEDULED_TAG + _varint(len(body)) + body
 
 
 def plan_from_pb(msg: worker_pb2.StepPlan) -> StepPlan:

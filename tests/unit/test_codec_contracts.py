@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from canteen import plan as domain
 from canteen.adapters import AdapterRef
 from canteen.codec import (
+    PlanEncoder,
     plan_from_pb,
     plan_to_pb,
     request_from_pb,
@@ -129,6 +130,32 @@ REQUEST = st.builds(
 def test_a_step_plan_round_trips(plan: StepPlan) -> None:
     wire = plan_to_pb(plan).SerializeToString()
     assert plan_from_pb(worker_pb2.StepPlan.FromString(wire)) == plan
+
+
+@settings(max_examples=200)
+@given(st.lists(PLAN, min_size=1, max_size=4))
+def test_the_plan_bytes_the_scheduler_writes_are_the_plan(plans: list[StepPlan]) -> None:
+    """PlanEncoder's bytes parse to the very message plan_to_pb builds, step after step
+    with the same encoder (entries reused), and the worker decodes the plan sent."""
+    encode = PlanEncoder(max_entries=3)
+    for plan in [*plans, *plans]:
+        msg = worker_pb2.StepPlan.FromString(encode(plan))
+        assert msg == plan_to_pb(plan)
+        assert plan_from_pb(msg) == plan
+
+
+def test_a_decoding_sequences_plan_entry_is_reused_and_the_cache_is_bounded() -> None:
+    encode = PlanEncoder(max_entries=2)
+    step = [ScheduledSequence(f"s{i}", 1) for i in range(3)]
+    first = encode(StepPlan(1, scheduled=tuple(step)))
+    again = encode(StepPlan(1, scheduled=tuple(ScheduledSequence(f"s{i}", 1) for i in range(3))))
+    assert first == again
+    for i in range(100):  # sequences that come and go: the entries kept stay bounded
+        encode(StepPlan(i, scheduled=(ScheduledSequence(f"new{i}", 1),)))
+        assert len(encode._entries) <= 2
+    with_block = StepPlan(2, scheduled=(ScheduledSequence("s0", 1, (7,)), step[1]))
+    decoded = plan_from_pb(worker_pb2.StepPlan.FromString(encode(with_block)))
+    assert decoded.scheduled == (ScheduledSequence("s0", 1, (7,)), step[1])
 
 
 @settings(max_examples=200)

@@ -155,8 +155,8 @@ class _RunCall:
         self.worker, self.log = worker, log
         self.plans: deque[StepPlan] = deque()
 
-    async def write(self, msg: worker_pb2.StepPlan) -> None:
-        plan = plan_from_pb(msg)
+    async def write(self, wire: bytes) -> None:  # the link writes a plan's wire bytes
+        plan = plan_from_pb(worker_pb2.StepPlan.FromString(wire))
         self.log.append(f"plan {plan.step_id}")
         self.plans.append(plan)
         await asyncio.sleep(0)  # a real write yields while the message goes out
