@@ -13,10 +13,11 @@ every run: the next plan waited and the streams beside the long prompt saw a 65-
 against their 15 ms median (``bench/kv.py --only interference``, the 4.9-5.7x rounds).
 
 ``silence_protobuf_trim`` points the extension's ``malloc_trim`` import (its PLT slot) at a
-no-op, so only upb's periodic call goes away; glibc still returns the free top of a heap past
-its trim threshold as before. Every service calls it at start-up. It finds the slot by the
-extension's relocation table and does nothing (and says so) where the extension is not an ELF
-file with that import: another platform, a protobuf build without the call.
+function that does nothing, so only upb's periodic call goes away; glibc still returns the
+free top of a heap past its trim threshold as before. Every service calls it at start-up. It
+finds the slot by the extension's relocation table and does nothing (and says so) where the
+extension is not an ELF file with that import: another platform, a protobuf build without
+the call.
 
 ``keep_freed_memory`` (the worker) also fixes glibc's trim and mmap thresholds, so the memory
 a step frees stays in the process for the next step instead of being trimmed and faulted in
@@ -44,18 +45,6 @@ MMAP_THRESHOLD = 32 << 20  # glibc's largest: buffers of 32 MiB and more get the
 
 _SHT_RELA = 4
 _JUMP_SLOTS = {62: 7, 183: 1026}  # e_machine -> R_*_JUMP_SLOT: x86-64, aarch64
-
-_TRIM = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_size_t)
-num_silenced_trims = 0  # calls the no-op took instead of malloc_trim
-
-
-def _count_trim(pad: int) -> int:
-    global num_silenced_trims
-    num_silenced_trims += 1
-    return 0  # "no memory was released"
-
-
-_no_trim = _TRIM(_count_trim)  # lives as long as the process: the slot points into it
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -139,10 +128,15 @@ def silence_protobuf_trim() -> bool:
         return _unsilenced("cannot read the extension's relocations")
     if offset is None or base is None:
         return _unsilenced("the extension imports no malloc_trim")
-    slot = base + offset
+    slot, libc = base + offset, _libc()
     if not _writable(slot):  # bound at load and made read-only (full RELRO): leave it
         return _unsilenced("the extension's import table is read-only")
-    ctypes.c_void_p.from_address(slot).value = ctypes.cast(_no_trim, ctypes.c_void_p).value
+    if libc is None:
+        return _unsilenced("no glibc")
+    # upb calls malloc_trim(0) and ignores what it returns; libc's abs(0) does nothing and
+    # returns 0. A C function, not a ctypes callback: it stays valid while the interpreter
+    # shuts down, when upb frees its last arenas.
+    ctypes.c_void_p.from_address(slot).value = ctypes.cast(libc.abs, ctypes.c_void_p).value
     log.info("protobuf's periodic malloc_trim silenced", extension=path.name)
     return True
 
