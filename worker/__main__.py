@@ -153,6 +153,7 @@ def build_runner(
         grammar=config.grammar,
         lora=config.lora,
         narrow_step_rows=config.narrow_step_rows,
+        small_step_mmacs=config.small_step_mmacs,
         num_threads=torch.get_num_threads(),  # before any narrow step set one
     )
     scratch = ModelRunner(loaded, shape)

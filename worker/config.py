@@ -23,7 +23,7 @@ from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
 from worker.engine.constrain import GrammarOptions
 from worker.engine.graphs import GraphSizes
-from worker.engine.threads import NARROW_STEP_ROWS
+from worker.engine.threads import NARROW_STEP_ROWS, SMALL_STEP_MMACS
 from worker.lora.store import LoraOptions
 from worker.speculation.speculate import SPECULATIVE_KINDS
 
@@ -132,6 +132,14 @@ class WorkerConfig(InternalLinkOptions):
         "thread, leaving the other cores to gRPC and the edge; wider steps use --threads; the "
         "tokens are the same either way; 0 (the default): every step on --threads; helps only "
         "where other work loads the cores (docs/speed-history.md)",
+        at_least(0),
+    )
+    small_step_mmacs: int = option(
+        SMALL_STEP_MMACS,
+        "steps whose linears make fewer million multiply-adds than this (a model of a few "
+        "million parameters: a draft, a test model) compute on one torch thread, whatever "
+        "their rows: a second thread's wake-ups cost more than it computes there, and it "
+        "spins on a core the edge needs; the tokens are the same either way; 0: off",
         at_least(0),
     )
     grammar_compile_timeout: float = option(

@@ -22,7 +22,7 @@ from tests.unit.test_lowbit import _weights
 from worker import kernels
 from worker.config import WorkerConfig
 from worker.engine.runner import ModelRunner, RunnerConfig
-from worker.engine.threads import StepThreads
+from worker.engine.threads import SMALL_STEP_MMACS, StepThreads, row_macs
 from worker.model.loader import choose_dtype, load_model
 from worker.model.quant import pack_groups, pack_lanes
 
@@ -112,11 +112,14 @@ def test_a_mix_gets_the_same_tokens_and_logprobs_on_any_thread_count(
     )
     mix = _wide_mix(11)
     got = []
-    for threads, narrow in ((1, 0), (MANY, 0), (MANY, 1)):
+    # small_step_mmacs 0: this model's steps would all be small, and run on one thread
+    for threads, narrow, small in ((1, 0, 0), (MANY, 0, 0), (MANY, 1, 0), (MANY, 0, 32)):
         torch.set_num_threads(threads)
-        config = RunnerConfig(6000, BLOCK, 1024, narrow_step_rows=narrow, num_threads=threads)
+        config = RunnerConfig(
+            6000, BLOCK, 1024, narrow_step_rows=narrow, num_threads=threads, small_step_mmacs=small
+        )
         got.append(run_mix(ModelRunner(loaded, config), mix))
-    assert got[0] == got[1] == got[2]
+    assert got[0] == got[1] == got[2] == got[3]
 
 
 def test_narrow_steps_run_on_one_thread_and_wider_ones_on_all() -> None:
@@ -126,6 +129,62 @@ def test_narrow_steps_run_on_one_thread_and_wider_ones_on_all() -> None:
     assert StepThreads(narrow_rows=0, num_threads=3).apply(1) == 3
     with pytest.raises(ValueError, match="narrow_rows must be >= 0, got -1"):
         StepThreads(narrow_rows=-1)
+
+
+def test_small_steps_run_on_one_thread_whatever_their_rows() -> None:
+    """Rows times a row's multiply-adds under the bound: one thread; at it or over: all."""
+    threads = StepThreads(narrow_rows=0, num_threads=3, row_macs=1_000, small_macs=64_000)
+    assert [threads.apply(rows) for rows in (1, 63, 64, 500, 2)] == [1, 1, 3, 3, 1]
+    assert StepThreads(0, 3, row_macs=1_000, small_macs=0).apply(1) == 3  # off
+    assert StepThreads(0, 3, row_macs=0, small_macs=64_000).apply(1) == 3  # sizes unknown
+    with pytest.raises(ValueError, match="row_macs and small_macs must be >= 0, got 5, -1"):
+        StepThreads(0, 3, row_macs=5, small_macs=-1)
+
+
+@pytest.mark.parametrize(
+    ("hidden", "inter", "heads", "kv_heads", "tied"),
+    [(192, 512, 3, 1, True), (128, 384, 4, 4, False)],  # the first: SmolLM2's heads, smaller
+)
+def test_a_rows_multiply_adds_are_its_linears_weights(
+    hidden: int, inter: int, heads: int, kv_heads: int, tied: bool
+) -> None:
+    """row_macs counts every weight a token row multiplies: each linear's, and the head's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=3,
+        vocab_size=1000,
+        tie_word_embeddings=tied,
+    )
+    model = LlamaForCausalLM(config)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert row_macs(config) == sum(m.weight.numel() for m in linears)
+    assert row_macs(object()) == 0  # no sizes: no step counts as small
+
+
+def test_a_tiny_models_steps_run_on_one_thread_by_default(model_dir: Path) -> None:
+    """The worker's default bound puts every step of a model of a few hundred thousand
+    parameters on one thread, 64 rows included; 0 turns it off."""
+    device = torch.device("cpu")
+    loaded = load_model(str(model_dir), "safetensors", "", device, torch.float32, False)
+    assert parse_config(WorkerConfig, [], env={}).small_step_mmacs == SMALL_STEP_MMACS
+    default = ModelRunner(loaded, RunnerConfig(100, BLOCK, 1024, num_threads=MANY)).threads
+    assert default.threads_for(64) == default.threads_for(1) == 1
+    off = RunnerConfig(100, BLOCK, 1024, num_threads=MANY, small_step_mmacs=0)
+    assert ModelRunner(loaded, off).threads.threads_for(64) == MANY
+
+
+def test_one_thread_for_small_steps_refuses_a_negative_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_config(WorkerConfig, ["--small-step-mmacs", "0"], env={}).small_step_mmacs == 0
+    with pytest.raises(SystemExit):
+        parse_config(WorkerConfig, ["--small-step-mmacs", "-1"], env={})
+    assert "small_step_mmacs=-1: must be >= 0" in capsys.readouterr().err
 
 
 def test_one_thread_for_narrow_steps_is_off_by_default_and_refuses_a_negative_count(

@@ -29,7 +29,7 @@ from worker.engine.drafts import draft_limit, propose
 from worker.engine.graphs import DEFAULT_GRAPHS, DecodeGraphs, DecodeRow, GraphSizes
 from worker.engine.guard import BlockLedger, EntryError, root_key
 from worker.engine.sampler import sample
-from worker.engine.threads import StepThreads
+from worker.engine.threads import SMALL_STEP_MMACS, StepThreads, row_macs
 from worker.kv_tiers.store import KVTiers, move
 from worker.lora.adapter import LoraError
 from worker.lora.manager import LoraManager
@@ -81,6 +81,9 @@ class RunnerConfig:
     threads.py); 0: every step on ``num_threads``."""
     num_threads: int = 0
     """torch threads for wider steps; 0: torch's count when the runner is built."""
+    small_step_mmacs: int = SMALL_STEP_MMACS
+    """Steps whose linears make fewer million multiply-adds compute on one torch thread
+    (worker/engine/threads.py); 0: none."""
 
 
 class ModelRunner:
@@ -101,7 +104,12 @@ class ModelRunner:
         # a graphed step's padding rows write into one scratch block past the scheduler's
         self.kv_pool = new_kv_pool(loaded, num_blocks + int(graphed), block_size)
         self.sequences: dict[str, SequenceState] = {}
-        self.threads = StepThreads(config.narrow_step_rows, config.num_threads)
+        self.threads = StepThreads(
+            config.narrow_step_rows,
+            config.num_threads,
+            row_macs(loaded.model.config),
+            config.small_step_mmacs * 1_000_000,
+        )
         self.vocab_size = int(loaded.model.config.vocab_size)
         self.max_model_len = loaded.max_model_len
         self.ledger = BlockLedger(num_blocks, block_size, self.vocab_size)
