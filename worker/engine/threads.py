@@ -16,9 +16,9 @@ A small step runs on one thread whatever its rows: one whose linears make fewer 
 models the edge benchmarks use to stand in for a GPU worker, or a draft). Its parallel
 regions are too short to pay for a second thread's wake-up, and between them the idle OpenMP
 thread spins, taking a core from the scheduler and the gateway: on the AMD EPYC Zen 4 (2
-cores, 2026-12-06, `bench/suite_probe.py --tiny --streams 64 --tokens 256`) a worker of the
-tiny model used 2.9-4.4 s of CPU a run on two threads against 1.3 on one, and the suite made
-3,430-5,120 tokens/s against 4,790-4,830.
+cores, 2026-12-06, `bench/suite_probe.py --tiny --streams 64 --tokens 256`, alternating with
+the rule off) a worker of the tiny model used 1.4-1.8 s of CPU a run against 3.7-4.8 s, and
+the suite made 4,561-5,751 tokens/s against 3,373-4,145.
 
 The switch changes no bit: every kernel computes a row the same way at any thread count
 (tests/unit/test_thread_invariance.py), so only speed depends on it.
@@ -41,7 +41,7 @@ NARROW_STEP_ROWS = 0
 
 # The worker's default (--small-step-mmacs): steps whose linears do fewer multiply-adds run
 # on one thread. 32 million is about half a millisecond on one Zen 4 core: SmolLM2-135M's one
-# row is 135 million (so every SmolLM2 step keeps every thread), the tiny test model's 64
+# row is 134 million (so every SmolLM2 step keeps every thread), the tiny test model's 64
 # rows about 7.
 SMALL_STEP_MMACS = 32
 
