@@ -20,12 +20,14 @@ from canteen.batching import DEFAULT, BatchConfig
 from canteen.codec import PlanEncoder, result_from_pb
 from canteen.codec.fields import from_pb
 from canteen.finish import Finish
+from canteen.frames import FrameError
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2
 from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
 from scheduler.cost import WARMUP_STEPS
+from scheduler.local_run import LinkBrokenError, LocalRun, RunCall
 from scheduler.sequence import Sequence
 from scheduler.subscriptions import EventSink, TokenSink
 from scheduler.tiers import TierIndex
@@ -76,6 +78,7 @@ class WorkerDescription:
     kv_disk_keys: tuple[bytes, ...] = ()  # blocks of that version its disk tier held
     kv_disk_id: str = ""  # "host:/path" of its disk tier; one id, one shared index
     kv_host_keys: tuple[bytes, ...] = ()  # blocks its host tier held when it was described
+    run_socket: str = ""  # its local link (worker/local_link.py); "": Run over gRPC only
 
     @property
     def has_tiers(self) -> bool:
@@ -136,6 +139,7 @@ class WorkerLink:
         self._wake = asyncio.Event()
         self.is_up = True
         self.is_draining = False
+        self.transport = ""  # "local" or "grpc" once the Run stream is open
 
     @property
     def is_ready(self) -> bool:
@@ -159,13 +163,17 @@ class WorkerLink:
         self._wake.set()
 
     async def run(self) -> None:
-        call = self._run()
+        call = await self._open()
         try:
             await self._loop(call)
         except grpc.aio.AioRpcError as exc:
             self._lose(
                 f"worker {self.desc.worker_id} at {self.desc.address} failed: "
                 f"{exc.code().name} {exc.details()}"
+            )
+        except LinkBrokenError as exc:
+            self._lose(
+                f"worker {self.desc.worker_id} at {self.desc.run_socket} failed: UNAVAILABLE {exc}"
             )
         except TimeoutError:
             self._lose(
@@ -180,7 +188,23 @@ class WorkerLink:
             call.cancel()
             await self._channel.close()
 
-    async def _loop(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _open(self) -> RunCall:
+        """The Run stream: on the worker's local link where it has one this scheduler can
+        reach (scheduler/local_run.py), else over gRPC."""
+        if self.desc.run_socket:
+            try:
+                run = await LocalRun.open(self.desc.run_socket, self.desc.worker_id)
+            except (OSError, TimeoutError, FrameError) as exc:
+                log.info("local link unreachable", worker_id=self.desc.worker_id, error=str(exc))
+            else:
+                self.transport = "local"
+                log.info("run stream on the local link", worker_id=self.desc.worker_id)
+                return run
+        self.transport = "grpc"
+        call: RunCall = self._run()
+        return call
+
+    async def _loop(self, call: RunCall) -> None:
         """Keeps up to ``core.depth`` plans in flight: the next plan is on the wire while the
         worker computes the current one, so the worker never waits for a round trip."""
         sent: deque[float] = deque()  # when each plan in flight was sent

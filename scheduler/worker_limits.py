@@ -44,6 +44,8 @@ WORKER_INFO_BOUNDS = (
     Bound("peak_bytes_before_kv", 0, 1 << 50),
 )
 MAX_EOS_TOKEN_IDS = 64
+# A Unix socket's path on Linux (sun_path, less its NUL): the local link's run_socket.
+MAX_RUN_SOCKET_BYTES = 107
 
 
 def info_refusal(info: WorkerDescription, entry: registry_pb2.WorkerEntry) -> str | None:
@@ -58,6 +60,12 @@ def info_refusal(info: WorkerDescription, entry: registry_pb2.WorkerEntry) -> st
     bad = next((t for t in info.eos_token_ids if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         return f"eos_token_ids: {bad} is outside the vocabulary 0..{info.vocab_size - 1}"
+    path = info.run_socket
+    if path and (not path.startswith("/") or len(path.encode()) > MAX_RUN_SOCKET_BYTES):
+        return (
+            f"run_socket={path[:120]!r}: must be empty or an absolute path of at most "
+            f"{MAX_RUN_SOCKET_BYTES} bytes"
+        )
     for field in ("worker_id", "model", "version"):
         reported, listed = getattr(info, field), getattr(entry, field)
         if reported != listed:

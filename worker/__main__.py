@@ -39,6 +39,7 @@ from worker.engine.memory import (
 from worker.engine.observe import WorkerMetrics
 from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.kv_tiers.store import open_tiers, version_digest
+from worker.local_link import LocalLink
 from worker.lora.store import LoraMetrics
 from worker.model.loader import (
     LoadedModel,
@@ -317,6 +318,9 @@ async def serve(
     servicer = WorkerServicer(identity, engine, metrics)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
     port = await runtime.start([SERVICE_NAME])
+    local = LocalLink(servicer)
+    if config.local_link == "auto":
+        servicer.run_socket = await local.start()
     metrics_http = await start_metrics_http(metrics_registry, config.host, config.metrics_port)
     await load(config, record, engine, servicer, draft)
     assert servicer.runner is not None
@@ -342,6 +346,7 @@ async def serve(
 
     async def drain() -> None:
         lease.cancel()
+        local.stop_listening()  # the running stream goes on; no new one
         try:
             await registry.DeregisterWorker(
                 registry_pb2.DeregisterWorkerRequest(worker_id=worker_id), timeout=2
@@ -356,6 +361,7 @@ async def serve(
 
     runtime.on_drain(drain)
     await runtime.wait()
+    local.close()
     await asyncio.to_thread(servicer.runner.tiers.close)  # the disk writes queued so far
     await channel.close()
     if metrics_http is not None:

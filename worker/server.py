@@ -23,6 +23,15 @@ log = get_logger(__name__)
 _Timed = tuple[StepResult, StepTiming]
 
 
+class RunRefusedError(Exception):
+    """A Run stream the worker will not serve, with the status gRPC ends it with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
 @dataclass(frozen=True)
 class WorkerIdentity:
     worker_id: str
@@ -48,6 +57,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.idle = asyncio.Event()
         self.idle.set()
         self._is_running = False  # a Run stream is open
+        self.run_socket = ""  # where worker/local_link.py serves Run too; "": nowhere
         self._labels: dict[str, str] = {}  # seq id -> the client's label, for logs
 
     async def GetInfo(
@@ -88,6 +98,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_disk_keys=tiers.disk_keys(),
             kv_disk_id=tiers.disk_id,
             kv_host_keys=tiers.host_keys(),
+            run_socket=self.run_socket,
         )
 
     async def Run(
@@ -95,13 +106,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.StepPlan],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[worker_pb2.StepResult]:
+        try:
+            async for result in self.run_stream(request_iterator, context.peer()):
+                yield result
+        except RunRefusedError as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def run_stream(
+        self, plans: AsyncIterator[worker_pb2.StepPlan], peer: str
+    ) -> AsyncIterator[worker_pb2.StepResult]:
+        """The Run stream, whichever link carries it (gRPC, or worker/local_link.py)."""
         if self.runner is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "model is still loading")
-        assert self.runner is not None
+            raise RunRefusedError(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         if self._is_running:
             # One scheduler drives a worker; a second stream never replaces the first.
-            log.error("second run stream refused", peer=context.peer())
-            await context.abort(
+            log.error("second run stream refused", peer=peer)
+            raise RunRefusedError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "this worker already serves a Run stream; one scheduler drives a worker",
             )
@@ -110,9 +130,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # On the engine, after any step a closed stream left queued there.
         await asyncio.get_running_loop().run_in_executor(self._engine, runner.reset)
         self.idle.clear()
-        log.info("run stream opened", peer=context.peer())
+        log.info("run stream opened", peer=peer)
         try:
-            async for plan, result, timing in self._steps(request_iterator):
+            async for plan, result, timing in self._steps(plans):
                 for failure in result.failed:
                     label = self._labels.pop(failure.seq_id, "")
                     log.error(

@@ -69,6 +69,7 @@ class WorkerInfo(_message.Message):
     KV_DISK_KEYS_FIELD_NUMBER: _builtins.int
     KV_DISK_ID_FIELD_NUMBER: _builtins.int
     KV_HOST_KEYS_FIELD_NUMBER: _builtins.int
+    RUN_SOCKET_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker id, unique per process."""
     model: _builtins.str
@@ -119,6 +120,11 @@ class WorkerInfo(_message.Message):
     """
     kv_disk_id: _builtins.str
     """The disk tier's folder as "host:/real/path": workers with the same one share blocks."""
+    run_socket: _builtins.str
+    """A Unix socket that serves the same Run stream as length-prefixed frames, for a
+    scheduler on the same host and user (docs/how-a-step-works.md, "The local link");
+    empty: Run over gRPC only (--local-link off).
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model."""
@@ -163,10 +169,11 @@ class WorkerInfo(_message.Message):
         kv_disk_keys: _abc.Iterable[_builtins.bytes] | None = ...,
         kv_disk_id: _builtins.str = ...,
         kv_host_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        run_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "kv_disk_bytes", b"kv_disk_bytes", "kv_disk_id", b"kv_disk_id", "kv_disk_keys", b"kv_disk_keys", "kv_host_bytes", b"kv_host_bytes", "kv_host_keys", b"kv_host_keys", "kv_version", b"kv_version", "max_batched_tokens", b"max_batched_tokens", "max_cpu_loras", b"max_cpu_loras", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "device", b"device", "dtype", b"dtype", "dtype_reason", b"dtype_reason", "eos_token_ids", b"eos_token_ids", "kv_cache_bytes", b"kv_cache_bytes", "kv_disk_bytes", b"kv_disk_bytes", "kv_disk_id", b"kv_disk_id", "kv_disk_keys", b"kv_disk_keys", "kv_host_bytes", b"kv_host_bytes", "kv_host_keys", b"kv_host_keys", "kv_version", b"kv_version", "max_batched_tokens", b"max_batched_tokens", "max_cpu_loras", b"max_cpu_loras", "max_loras", b"max_loras", "max_model_len", b"max_model_len", "memory_budget_bytes", b"memory_budget_bytes", "model", b"model", "num_blocks", b"num_blocks", "num_speculative_tokens", b"num_speculative_tokens", "peak_bytes_before_kv", b"peak_bytes_before_kv", "quantization", b"quantization", "run_socket", b"run_socket", "speculative", b"speculative", "version", b"version", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

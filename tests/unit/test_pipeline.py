@@ -168,6 +168,9 @@ class _RunCall:
     async def done_writing(self) -> None:
         return None
 
+    def cancel(self) -> None:
+        return None
+
 
 async def test_after_a_result_the_next_plan_is_written_before_its_token_is_delivered() -> None:
     """The worker's next step never waits for the gateway's write of the last token."""

@@ -48,6 +48,14 @@ def test_eos_ids_outside_the_vocabulary_and_a_mismatched_entry_are_refused() -> 
     )
 
 
+@pytest.mark.parametrize("path", ["run.sock", "/" + "s" * 107])
+def test_a_run_socket_that_cannot_be_a_local_socket_is_refused(path: str) -> None:
+    assert info_refusal(_info(run_socket=path), ENTRY) == (
+        f"run_socket={path!r}: must be empty or an absolute path of at most 107 bytes"
+    )
+    assert info_refusal(_info(run_socket="/tmp/canteen-worker-x/run.sock"), ENTRY) is None
+
+
 def test_the_block_pool_refuses_a_pool_past_its_bound() -> None:
     with pytest.raises(ValueError, match=f"num_blocks={2**31 - 1}: must be in 1..{MAX_NUM_BLOCKS}"):
         BlockPool(2**31 - 1, 16)
