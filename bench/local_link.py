@@ -1,7 +1,8 @@
-"""The worker's Run stream on its local link (a Unix socket, the default where the scheduler
-shares the worker's host and user) against gRPC (``--local-link off``), side by side.
+"""The internal streams on local sockets (the default where the services share a host and
+user: the worker's Run, the scheduler's Connect) against gRPC (``--local-link off`` on
+the worker, the scheduler and the gateway), side by side.
 
-Two suites run at once, the same but for that flag (both idle while the other works), on
+Two suites run at once, the same but for those flags (both idle while the other works), on
 SmolLM2 or, with ``--tiny``, a tiny random model (steps of about a millisecond, where the
 services around the worker bound the suite). Each round sends the same fresh prompts to
 each in turn, alternating which goes first, and prints one JSON line per run in the order
@@ -29,7 +30,8 @@ from bench.suite_probe import probe, tiny_stack
 from bench.throughput import NicedClient, questions
 from tests.support.suite import default_model_stack
 
-SIDES = {"local": [], "grpc": ["--local-link", "off"]}
+OFF = ["--local-link", "off"]
+SIDES: dict[str, list[str]] = {"local": [], "grpc": OFF}
 
 
 def edge_figures(found: dict) -> dict:
@@ -58,7 +60,14 @@ def main() -> None:
     rows: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as held:
         sides = {
-            name: held.enter_context(stacks(Path(tmp) / name, worker_args=[*base, *extra]))
+            name: held.enter_context(
+                stacks(
+                    Path(tmp) / name,
+                    worker_args=[*base, *extra],
+                    scheduler_args=extra,
+                    gateway_args=extra,
+                )
+            )
             for name, extra in SIDES.items()
         }
         client = NicedClient()

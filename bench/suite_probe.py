@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -150,17 +150,23 @@ def per_token(
 
 
 @contextlib.contextmanager
-def tiny_stack(workdir: Path, worker_args: list[str]) -> Iterator[Stack]:
+def tiny_stack(
+    workdir: Path,
+    worker_args: list[str],
+    scheduler_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
+) -> Iterator[Stack]:
     """The suite on a tiny random llama (tests/support/tiny_model.py)."""
     from tests.support.tiny_model import build_tiny_model
 
     suite = Suite(workdir)
     try:
         registry = suite.start_tiny_registry(build_tiny_model(workdir / "tiny"))
-        scheduler = suite.start_scheduler(registry)
+        scheduler = suite.start_scheduler(registry, *scheduler_args)
         worker = suite.start_worker(registry, "tiny", *worker_args)
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 120, role="scheduler")
-        yield Stack(registry, scheduler, worker, suite.start_gateway(registry, scheduler))
+        gateway = suite.start_gateway(registry, scheduler, *gateway_args)
+        yield Stack(registry, scheduler, worker, gateway)
     finally:
         suite.stop()
 

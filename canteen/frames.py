@@ -1,17 +1,13 @@
-"""Length-prefixed frames on an asyncio stream: the wire of the worker's local link.
+"""Length-prefixed frames on an asyncio stream: the wire of the local sockets.
 
-The scheduler drives a worker on the same host and user over a Unix socket instead of gRPC
-(worker/local_link.py, scheduler/local_run.py): the same ``StepPlan`` and ``StepResult``
+Services on one host and user run the worker's ``Run`` and the scheduler's ``Connect`` on
+private Unix sockets as well as on gRPC (canteen/local_socket.py): the same protobuf
 messages, each in a frame of its own. A frame is a 5-byte header, its kind (1 byte) and
 its payload's length (4 bytes, little-endian), then the payload:
 
-    HELLO    the worker's id, UTF-8: the first frame the worker sends
+    HELLO    the server's name, UTF-8 (a worker's id, or "scheduler"): its first frame
     MESSAGE  one serialized protobuf message
-    ERROR    why the worker ends the stream, UTF-8 (a refused second stream, say)
-
-One gRPC message costs a Python process a few hundred microseconds of CPU when it arrives
-alone (grpc.aio hands it from C-core's threads to the event loop); a frame is one socket
-read on the loop's own thread (docs/how-a-step-works.md, "The local link").
+    ERROR    why the server ends the stream, UTF-8 (a refused second Run stream, say)
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from canteen.config import check_bounds, option, require
+from canteen.local_socket import LOCAL_LINK_RULE
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.plan import MAX_STREAM_INTERVAL
 from canteen.tls import InternalLinkOptions
@@ -55,6 +56,12 @@ class GatewayConfig(InternalLinkOptions, EdgeLimits):
         "every request, requests as messages, one message per step), 'subscribe' (one "
         "stream for the tokens, a Generate call per request) or 'per-request' (each "
         "request's own call and stream)",
+    )
+    local_link: str = option(
+        "auto",
+        "auto: run the shared stream on the scheduler's private Unix socket where it offers "
+        "one this gateway can reach (same host and user); off: over gRPC only",
+        LOCAL_LINK_RULE,
     )
     stream_interval: int = option(
         1,

@@ -88,7 +88,11 @@ class InferenceService:
         self.scheduler = scheduler
         shared = config.scheduler_stream in ("shared", "subscribe")
         self.upstream = SchedulerClient(
-            scheduler, config.scheduler_retry, shared, connect=config.scheduler_stream == "shared"
+            scheduler,
+            config.scheduler_retry,
+            shared,
+            connect=config.scheduler_stream == "shared",
+            local=config.local_link == "auto",
         )
         self.screen = screen
         self.admission = Admission(config, catalog, tokenizers, metrics, screen)

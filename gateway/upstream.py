@@ -37,6 +37,7 @@ from gateway.upstream_connect import (
     submit_message,
     unpack,
 )
+from gateway.upstream_local import LocalConnect
 
 log = get_logger(__name__)
 
@@ -52,7 +53,7 @@ class Feed:
     def __init__(
         self,
         subscription_id: str,
-        call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall,
+        call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall | LocalConnect,
         outbox: Outbox | None = None,
     ) -> None:
         self.id, self.call = subscription_id, call
@@ -111,11 +112,13 @@ class SchedulerClient:
         retry_seconds: float,
         shared: bool = True,
         connect: bool = False,
+        local: bool = False,
     ) -> None:
         self._stub = stub
         self._retry_seconds = retry_seconds
         self.is_shared = shared
         self.is_connect = shared and connect  # requests on the stream too (else Subscribe)
+        self.is_local = local  # Connect on the scheduler's local socket where it offers one
         self._feed: Feed | None = None
         self._opening: asyncio.Future[Feed] | None = None
         self._tags = itertools.count(1)
@@ -308,7 +311,27 @@ class SchedulerClient:
         first = await call.read()
         if first is grpc.aio.EOF:
             raise await _error_of(call) or _unavailable("the scheduler ended Connect at once")
+        if first.local_socket and self.is_local:
+            feed = await self._open_local(first.local_socket)
+            if feed is not None:
+                outbox.close()
+                call.cancel()
+                return feed
         return self._start(Feed(first.subscription_id, call, outbox))
+
+    async def _open_local(self, path: str) -> Feed | None:
+        """The shared stream on the scheduler's local socket (gateway/upstream_local.py);
+        None where this gateway cannot reach it (it stays on gRPC)."""
+        outbox = Outbox()
+        local = await LocalConnect.open(path, outbox)
+        if local is None:
+            return None
+        first = await local.read()
+        if not isinstance(first, scheduler_pb2.ScheduleBatch):
+            local.cancel()
+            raise _unavailable("the scheduler ended its local stream at once")
+        log.info("shared token stream on the scheduler's local socket")
+        return self._start(Feed(first.subscription_id, local, outbox))
 
     def _start(self, feed: Feed) -> Feed:
         feed.reader = asyncio.ensure_future(feed.read())

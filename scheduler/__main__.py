@@ -15,6 +15,7 @@ from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.link import LinkSettings
+from scheduler.local_connect import local_connect
 from scheduler.metrics import PoolCollector, SchedulerMetrics
 from scheduler.router import WorkerPool
 from scheduler.server import SchedulerServicer
@@ -53,13 +54,21 @@ async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
     )
     registry.register(PoolCollector(pool.links))
     service = SchedulerService(pool, config.max_queue, metrics)
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(
-        SchedulerServicer(service, runtime), runtime.server
-    )
+    servicer = SchedulerServicer(service, runtime)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, runtime.server)
     await runtime.start([SERVICE_NAME])
+    local = local_connect(servicer)
+    if config.local_link == "auto":
+        servicer.local_socket = await local.start()
+
+    async def stop_listening() -> None:
+        local.stop_listening()  # the open streams run on while the drain lasts
+
+    runtime.on_drain(stop_listening)
     metrics_http = await start_metrics_http(registry, config.host, config.metrics_port)
     watcher = asyncio.create_task(pool.watch_forever())
     await runtime.wait()
+    local.close()
     watcher.cancel()
     if metrics_http is not None:
         await metrics_http[0].cleanup()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from canteen.batching import BatchConfig, flag
 from canteen.config import PORT, PORT_OR_OFF, at_least, check_bounds, option
+from canteen.local_socket import LOCAL_LINK_RULE
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.tls import InternalLinkOptions
 from canteen.tracing import OTLP_ENDPOINT_HELP
@@ -20,6 +21,12 @@ class SchedulerConfig(InternalLinkOptions):
     metrics_port: int = option(-1, METRICS_PORT_HELP, PORT_OR_OFF)
     otlp_endpoint: str = option("", OTLP_ENDPOINT_HELP)
     registry: str = option("127.0.0.1:50053", "registry address")
+    local_link: str = option(
+        "auto",
+        "auto: also serve Connect on a private Unix socket, which a gateway on this host and "
+        "user dials instead of gRPC (less CPU a message); off: Connect over gRPC only",
+        LOCAL_LINK_RULE,
+    )
     max_queue: int = option(
         1024, "most requests waiting across workers; more get RESOURCE_EXHAUSTED", at_least(1)
     )

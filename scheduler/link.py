@@ -21,13 +21,14 @@ from canteen.codec import PlanEncoder, result_from_pb
 from canteen.codec.fields import from_pb
 from canteen.finish import Finish
 from canteen.frames import FrameError
+from canteen.local_socket import BrokenError
 from canteen.logging import get_logger
 from canteen.plan import StepPlan
 from canteen.v1 import worker_pb2
 from scheduler.batcher import BatchScheduler, end_unplaced
 from scheduler.blocks import BlockPool
 from scheduler.cost import WARMUP_STEPS
-from scheduler.local_run import LinkBrokenError, LocalRun, RunCall
+from scheduler.local_run import LocalRun, RunCall
 from scheduler.sequence import Sequence
 from scheduler.subscriptions import EventSink, TokenSink
 from scheduler.tiers import TierIndex
@@ -171,7 +172,7 @@ class WorkerLink:
                 f"worker {self.desc.worker_id} at {self.desc.address} failed: "
                 f"{exc.code().name} {exc.details()}"
             )
-        except LinkBrokenError as exc:
+        except BrokenError as exc:
             self._lose(
                 f"worker {self.desc.worker_id} at {self.desc.run_socket} failed: UNAVAILABLE {exc}"
             )

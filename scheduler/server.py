@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Protocol
 
 import grpc
@@ -51,6 +52,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, service: SchedulerService, drain: Drain | None = None) -> None:
         self._service = service
         self._drain = drain
+        self.local_socket = ""  # where Connect also runs (canteen/local_socket.py); "": nowhere
 
     async def Generate(
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
@@ -114,7 +116,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.ScheduleBatch]:
-        subscription = self._service.subscriptions.open(context.peer())
+        batches = self.connect_stream(request_iterator, context.peer())
+        async with contextlib.aclosing(batches):
+            async for batch in batches:
+                if batch.subscription_id:  # the first: where the same stream runs locally
+                    batch.local_socket = self.local_socket
+                yield batch
+
+    async def connect_stream(
+        self, request_iterator: AsyncIterator[scheduler_pb2.ConnectRequest], peer: str
+    ) -> AsyncGenerator[scheduler_pb2.ScheduleBatch]:
+        """The Connect stream, whichever link carries it (gRPC, or the local socket)."""
+        subscription = self._service.subscriptions.open(peer)
         in_flight = self._drain.in_flight if self._drain is not None else None
         connection = Connection(subscription, self._service.generate, subscription.fail, in_flight)
         reader = asyncio.create_task(self._read_submits(request_iterator, connection))

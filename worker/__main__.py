@@ -39,7 +39,7 @@ from worker.engine.memory import (
 from worker.engine.observe import WorkerMetrics
 from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.kv_tiers.store import open_tiers, version_digest
-from worker.local_link import LocalLink
+from worker.local_link import local_link
 from worker.lora.store import LoraMetrics
 from worker.model.loader import (
     LoadedModel,
@@ -318,7 +318,7 @@ async def serve(
     servicer = WorkerServicer(identity, engine, metrics)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
     port = await runtime.start([SERVICE_NAME])
-    local = LocalLink(servicer)
+    local = local_link(servicer)
     if config.local_link == "auto":
         servicer.run_socket = await local.start()
     metrics_http = await start_metrics_http(metrics_registry, config.host, config.metrics_port)

@@ -17,6 +17,7 @@ from canteen.config import (
     require,
     within,
 )
+from canteen.local_socket import LOCAL_LINK_RULE
 from canteen.metrics import METRICS_PORT_HELP
 from canteen.models import DEFAULT_MODEL_NAME
 from canteen.tls import InternalLinkOptions
@@ -46,7 +47,7 @@ class WorkerConfig(InternalLinkOptions):
         "auto",
         "auto: also serve Run on a private Unix socket, which a scheduler on this host and "
         "user dials instead of gRPC (less CPU a step); off: Run over gRPC only",
-        one_of("auto", "off"),
+        LOCAL_LINK_RULE,
     )
     registry: str = option("127.0.0.1:50053", "registry address")
     model: str = option(DEFAULT_MODEL_NAME, "model to serve, NAME or NAME:VERSION")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from canteen.codec import plan_from_pb, result_to_pb
+from canteen.local_socket import RefusedError
 from canteen.logging import get_logger
 from canteen.plan import StepPlan, StepResult
 from canteen.v1 import worker_pb2, worker_pb2_grpc
@@ -23,8 +24,9 @@ log = get_logger(__name__)
 _Timed = tuple[StepResult, StepTiming]
 
 
-class RunRefusedError(Exception):
-    """A Run stream the worker will not serve, with the status gRPC ends it with."""
+class RunRefusedError(RefusedError):
+    """A Run stream the worker will not serve, with the status gRPC ends it with (the
+    local socket sends the message alone)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)

@@ -309,8 +309,14 @@ class ScheduleBatch(_message.Message):
     PACKED_NUM_TOKENS_FIELD_NUMBER: _builtins.int
     PACKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     PACKED_LOGPROBS_FIELD_NUMBER: _builtins.int
+    LOCAL_SOCKET_FIELD_NUMBER: _builtins.int
     subscription_id: _builtins.str
     """Set on the first message only (which carries no responses): the id Generate calls name."""
+    local_socket: _builtins.str
+    """On a Connect stream's first message: a Unix socket that serves the same stream as
+    length-prefixed frames, for a gateway on the scheduler's host and user (which may open
+    it and close this stream; docs/how-a-step-works.md, "The local links"); empty: none.
+    """
     @_builtins.property
     def responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___ScheduleResponse]:
         """New tokens of the attached requests, at most one entry per request and message; an
@@ -347,10 +353,11 @@ class ScheduleBatch(_message.Message):
         packed_num_tokens: _abc.Iterable[_builtins.int] | None = ...,
         packed_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         packed_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        local_socket: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["packed_logprobs", b"packed_logprobs", "packed_num_tokens", b"packed_num_tokens", "packed_tags", b"packed_tags", "packed_token_ids", b"packed_token_ids", "responses", b"responses", "subscription_id", b"subscription_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_socket", b"local_socket", "packed_logprobs", b"packed_logprobs", "packed_num_tokens", b"packed_num_tokens", "packed_tags", b"packed_tags", "packed_token_ids", b"packed_token_ids", "responses", b"responses", "subscription_id", b"subscription_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -35,6 +35,8 @@ def tiny_suite(
     num_kv_blocks: int,
     dtype: tuple[str, ...] = TRANSFORMERS_DTYPE,
     worker_args: tuple[str, ...] = (),
+    scheduler_args: tuple[str, ...] = (),
+    gateway_args: tuple[str, ...] = (),
 ) -> Iterator[TinySuite]:
     """Registry, scheduler, one worker of the tiny model and a gateway, stopped on exit. The
     worker runs float32 unless ``dtype`` says otherwise (``()``: the default): the shared
@@ -49,7 +51,7 @@ def tiny_suite(
             "tiny",
         )
         # No stall bound: the KV pressure test wants admission as fast as the pool allows.
-        scheduler = s.start_scheduler(registry, "--max-step-stall", "0")
+        scheduler = s.start_scheduler(registry, "--max-step-stall", "0", *scheduler_args)
         worker = s.start_worker(
             registry,
             "tiny",
@@ -65,7 +67,7 @@ def tiny_suite(
             *worker_args,
         )
         wait_serving(scheduler.address, "canteen.v1.Scheduler", 60)
-        gateway = s.start_gateway(registry, scheduler)
+        gateway = s.start_gateway(registry, scheduler, *gateway_args)
         tiny = TinySuite(s, registry, scheduler, worker, gateway)
         yield tiny
         tiny.channel.close()

@@ -1,7 +1,8 @@
-"""The worker's local link on the real suite: the default suite's scheduler drives its worker
-over the Unix socket, with the tokens of a worker on gRPC (``--local-link off``); the
-socket is private; a second stream on it is refused while the first keeps serving; a
-socket that is another worker's is not taken for this one's."""
+"""The local links on the real suite: the default suite's scheduler drives its worker, and
+its gateway's shared stream runs, over Unix sockets, with the tokens of a suite on gRPC
+(``--local-link off`` on all three); the sockets are private; a second Run stream on the
+worker's is refused while the first keeps serving; a socket that is another worker's is
+not taken for this one's; a gateway that cannot reach the scheduler's stays on gRPC."""
 
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ import grpc
 import pytest
 
 from canteen.frames import FrameError
-from canteen.v1 import common_pb2, inference_pb2, worker_pb2, worker_pb2_grpc
-from scheduler.local_run import LinkBrokenError, LocalRun
+from canteen.local_socket import BrokenError
+from canteen.v1 import (
+    common_pb2,
+    inference_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from gateway.upstream import Feed, SchedulerClient
+from scheduler.local_run import LocalRun
 from tests.integration.conftest import NUM_KV_BLOCKS, TinySuite, tiny_suite
 from tests.support.streams import Stream, until
 
@@ -26,8 +36,14 @@ def grpc_suite(
     tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TinySuite]:
     workdir = tmp_path_factory.mktemp("grpc-run")
+    off = ("--local-link", "off")
     with tiny_suite(
-        workdir, tiny_model_dir, NUM_KV_BLOCKS, worker_args=("--local-link", "off")
+        workdir,
+        tiny_model_dir,
+        NUM_KV_BLOCKS,
+        worker_args=off,
+        scheduler_args=off,
+        gateway_args=off,
     ) as tiny:
         yield tiny
 
@@ -58,14 +74,55 @@ def test_the_default_suite_runs_on_the_local_link_with_grpcs_tokens(
     assert _greedy(grpc_suite, "The local link carries") == (ids, logprobs)
     assert "run stream on the local link" in suite.scheduler.log()
     assert "run stream on the local link" not in grpc_suite.scheduler.log()
+    on_socket = "shared token stream on the scheduler's local socket"
+    assert on_socket in suite.gateway.log()
+    assert on_socket not in grpc_suite.gateway.log()
 
 
-def test_the_socket_is_private(suite: TinySuite) -> None:
-    path = Path(_info(suite).run_socket)
-    assert stat.S_ISSOCK(path.stat().st_mode)
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    assert path.parent.stat().st_uid == os.getuid()
+def _scheduler_socket(suite: TinySuite) -> str:
+    connect = suite.scheduler_stub.Connect(iter([]), timeout=10)
+    first: scheduler_pb2.ScheduleBatch = next(connect)
+    connect.cancel()
+    return first.local_socket
+
+
+def test_the_sockets_are_private(suite: TinySuite, grpc_suite: TinySuite) -> None:
+    for socket in (_info(suite).run_socket, _scheduler_socket(suite)):
+        path = Path(socket)
+        assert stat.S_ISSOCK(path.stat().st_mode)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert path.parent.stat().st_uid == os.getuid()
+    assert _scheduler_socket(grpc_suite) == ""
+
+
+async def test_a_gateway_that_cannot_reach_the_socket_stays_on_grpc(
+    suite: TinySuite, tmp_path: Path
+) -> None:
+    """The scheduler's socket as a gateway on another host sees it: a path with nothing
+    there. The shared stream stays on gRPC and carries a request's tokens."""
+
+    class Elsewhere(SchedulerClient):
+        async def _open_local(self, path: str) -> Feed | None:
+            return await super()._open_local(str(tmp_path / Path(path).name))
+
+    channel = grpc.aio.insecure_channel(suite.scheduler.address)
+    client = Elsewhere(scheduler_pb2_grpc.SchedulerStub(channel), 5.0, connect=True, local=True)
+    request = scheduler_pb2.ScheduleRequest(
+        request_id="elsewhere",
+        model="tiny",
+        version="v1",
+        prompt_token_ids=[5, 6, 7],
+        max_tokens=5,
+        ignore_eos=True,
+        sampling=common_pb2.SamplingParams(temperature=0, top_p=1),
+    )
+    tokens = [t async for r in client.stream(request, 30, ()) for t in r.token_ids]
+    assert len(tokens) == 5
+    assert client._feed is not None
+    assert isinstance(client._feed.call, grpc.aio.StreamStreamCall)
+    await client.close()
+    await channel.close()
 
 
 def test_a_second_stream_on_the_socket_is_refused_and_the_first_keeps_serving(
@@ -79,7 +136,7 @@ def test_a_second_stream_on_the_socket_is_refused_and_the_first_keeps_serving(
     async def second() -> str:
         run = await LocalRun.open(info.run_socket, info.worker_id)
         try:
-            with pytest.raises(LinkBrokenError) as refused:  # on the write, or on the read
+            with pytest.raises(BrokenError) as refused:  # on the write, or on the read
                 await run.write(worker_pb2.StepPlan(step_id=1).SerializeToString())
                 await run.read()
             return str(refused.value)
@@ -96,5 +153,5 @@ def test_another_workers_socket_is_not_taken_for_this_one(suite: TinySuite) -> N
     with pytest.raises(FrameError) as wrong:
         asyncio.run(LocalRun.open(info.run_socket, "worker-elsewhere"))
     assert str(wrong.value) == (
-        f"the socket {info.run_socket} is worker {info.worker_id!r}'s, not 'worker-elsewhere''s"
+        f"the socket {info.run_socket} is {info.worker_id!r}'s, not 'worker-elsewhere''s"
     )
