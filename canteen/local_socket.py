@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from canteen.config import Bound, one_of
 from canteen.frames import FrameError, Kind, check_peer, read_frame, write_frame
@@ -33,6 +35,8 @@ log = get_logger(__name__)
 
 # Linux's limit on a Unix socket's path (sun_path), less its terminating NUL.
 MAX_SOCKET_PATH = 107
+# The file in a server's folder that it holds locked while it lives.
+LOCK_NAME = "owner.lock"
 # Seconds a client waits to connect and for the server's hello.
 OPEN_TIMEOUT_S = 2.0
 
@@ -62,10 +66,12 @@ class LocalServer:
         self._folder: Path | None = None
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._lock: BinaryIO | None = None
         self.path = ""
 
     async def start(self) -> str:
         """The socket's path, or "" where it would be too long (TMPDIR too deep)."""
+        remove_stale(Path(tempfile.gettempdir()), self._prefix)
         folder = Path(tempfile.mkdtemp(prefix=self._prefix))  # mode 0700
         path = folder / "stream.sock"
         if len(str(path)) > MAX_SOCKET_PATH:
@@ -73,6 +79,8 @@ class LocalServer:
             folder.rmdir()
             return ""
         self._folder = folder
+        self._lock = open(folder / LOCK_NAME, "wb")  # held until the process exits
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
         self._server = await asyncio.start_unix_server(self._serve, path=str(path))
         os.chmod(path, 0o600)
         self.path = str(path)
@@ -111,6 +119,27 @@ class LocalServer:
         finally:
             self._open.discard(writer)
             await _end(reader, writer, error)
+
+
+def remove_stale(parent: Path, prefix: str) -> list[Path]:
+    """Removes the folders killed processes of this user left (``prefix*`` under
+    ``parent``): a live server holds an exclusive lock on its folder's ``owner.lock`` for
+    as long as its process lives, so a lock that can be taken is a dead owner's. Another
+    user's folder, and a folder without a lock file, are not touched. Returns them."""
+    removed = []
+    for folder in parent.glob(f"{prefix}*"):
+        try:
+            if folder.is_symlink() or folder.stat().st_uid != os.getuid():
+                continue
+            with open(folder / LOCK_NAME, "rb") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # alive (BlockingIOError), no lock file, or not ours to judge
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    if removed:
+        log.info("stale local sockets removed", folders=[str(f) for f in removed])
+    return removed
 
 
 async def payloads(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
