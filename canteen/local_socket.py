@@ -79,8 +79,11 @@ class LocalServer:
             folder.rmdir()
             return ""
         self._folder = folder
-        self._lock = open(folder / LOCK_NAME, "wb")  # held until the process exits
+        # Locked before it takes its name: a server starting beside this one never finds
+        # the lock file free and takes the folder for a dead one's.
+        self._lock = open(folder / f"{LOCK_NAME}.new", "wb")  # held until the process exits
         fcntl.flock(self._lock, fcntl.LOCK_EX)
+        os.rename(folder / f"{LOCK_NAME}.new", folder / LOCK_NAME)
         self._server = await asyncio.start_unix_server(self._serve, path=str(path))
         os.chmod(path, 0o600)
         self.path = str(path)
