@@ -25,7 +25,9 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar
+
+from google.protobuf.message import Message
 
 from canteen.config import Bound, one_of
 from canteen.frames import FrameError, Kind, check_peer, read_frame, write_frame
@@ -56,6 +58,9 @@ class BrokenError(Exception):
 
 # The stream a server runs for one connection: the client's payloads in, messages out.
 Serve = Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]
+# The hello of the scheduler's Connect socket (a worker's is its id).
+SCHEDULER_NAME = "scheduler"
+Request = TypeVar("Request")
 
 
 class LocalServer:
@@ -122,6 +127,27 @@ class LocalServer:
         finally:
             self._open.discard(writer)
             await _end(reader, writer, error)
+
+
+def message_server(
+    prefix: str,
+    name: str,
+    parse: Callable[[bytes], Request],
+    run: Callable[[AsyncIterator[Request]], AsyncIterator[Message]],
+) -> LocalServer:
+    """A server, not yet listening, of a gRPC stream's handler: ``run`` gets the client's
+    payloads as ``parse`` reads them (a message type's ``FromString``) and its messages go
+    out serialized. The worker serves ``Run`` so, the scheduler ``Connect``."""
+
+    async def requests(payloads: AsyncIterator[bytes]) -> AsyncIterator[Request]:
+        async for payload in payloads:
+            yield parse(payload)
+
+    async def serve(payloads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for message in run(requests(payloads)):
+            yield message.SerializeToString()
+
+    return LocalServer(prefix, name, serve)
 
 
 def remove_stale(parent: Path, prefix: str) -> list[Path]:

@@ -1,5 +1,5 @@
 """The gateway's shared Connect stream on the scheduler's local socket (canteen/
-local_socket.py, scheduler/local_connect.py), read as ``Feed`` reads a grpc.aio call.
+local_socket.py), read as ``Feed`` reads a grpc.aio call.
 
 The gateway opens Connect over gRPC as ever; where the first batch names a socket this
 gateway can reach (the scheduler's host and user) and says it is the scheduler's, the
@@ -16,15 +16,12 @@ from typing import Any
 import grpc
 
 from canteen.frames import FrameError
-from canteen.local_socket import BrokenError, LocalStream
+from canteen.local_socket import SCHEDULER_NAME, BrokenError, LocalStream
 from canteen.logging import get_logger
 from canteen.v1 import scheduler_pb2
 from gateway.upstream_connect import Outbox
 
 log = get_logger(__name__)
-
-# The hello of the scheduler's socket (scheduler/local_connect.py).
-SCHEDULER_HELLO = "scheduler"
 
 
 class LocalConnect:
@@ -36,7 +33,7 @@ class LocalConnect:
     async def open(cls, path: str, outbox: Outbox) -> LocalConnect | None:
         """The stream on the socket at ``path``; None where it cannot be had (logged)."""
         try:
-            stream = await LocalStream.open(path, SCHEDULER_HELLO)
+            stream = await LocalStream.open(path, SCHEDULER_NAME)
         except (OSError, TimeoutError, FrameError) as exc:
             log.info("scheduler's local socket unreachable", path=path, error=str(exc))
             return None

@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from canteen.config import parse_config
+from canteen.local_socket import SCHEDULER_NAME, message_server
 from canteen.logging import configure_logging
 from canteen.malloc import silence_protobuf_trim
 from canteen.metrics import new_registry, start_metrics_http
@@ -15,7 +16,6 @@ from canteen.tracing import configure_tracing, shutdown_tracing
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.link import LinkSettings
-from scheduler.local_connect import local_connect
 from scheduler.metrics import PoolCollector, SchedulerMetrics
 from scheduler.router import WorkerPool
 from scheduler.server import SchedulerServicer
@@ -57,7 +57,13 @@ async def serve(config: SchedulerConfig, tls: Tls | None) -> None:
     servicer = SchedulerServicer(service, runtime)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, runtime.server)
     await runtime.start([SERVICE_NAME])
-    local = local_connect(servicer)
+    # Connect on a private socket too, for gateways on this host and user
+    local = message_server(
+        "canteen-scheduler-",
+        SCHEDULER_NAME,
+        scheduler_pb2.ConnectRequest.FromString,
+        lambda requests: servicer.connect_stream(requests, "unix"),
+    )
     if config.local_link == "auto":
         servicer.local_socket = await local.start()
 

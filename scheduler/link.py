@@ -79,7 +79,7 @@ class WorkerDescription:
     kv_disk_keys: tuple[bytes, ...] = ()  # blocks of that version its disk tier held
     kv_disk_id: str = ""  # "host:/path" of its disk tier; one id, one shared index
     kv_host_keys: tuple[bytes, ...] = ()  # blocks its host tier held when it was described
-    run_socket: str = ""  # its local link (worker/local_link.py); "": Run over gRPC only
+    run_socket: str = ""  # its private socket (canteen/local_socket.py); "": Run over gRPC only
 
     @property
     def has_tiers(self) -> bool:

@@ -1,4 +1,4 @@
-"""A worker's Run stream over its local socket (worker/local_link.py), in the shape of the
+"""A worker's Run stream over its private socket (canteen/local_socket.py), in the shape of the
 grpc.aio call that WorkerLink drives: ``write``, ``read``, ``done_writing``, ``cancel``.
 
 The scheduler dials ``WorkerInfo.run_socket`` when the worker reports one; a socket it

@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from canteen.config import parse_config
+from canteen.local_socket import message_server
 from canteen.logging import configure_logging, get_logger
 from canteen.malloc import keep_freed_memory, silence_protobuf_trim
 from canteen.metrics import new_registry, start_metrics_http
@@ -39,7 +40,6 @@ from worker.engine.memory import (
 from worker.engine.observe import WorkerMetrics
 from worker.engine.runner import ModelRunner, RunnerConfig
 from worker.kv_tiers.store import open_tiers, version_digest
-from worker.local_link import local_link
 from worker.lora.store import LoraMetrics
 from worker.model.loader import (
     LoadedModel,
@@ -318,7 +318,13 @@ async def serve(
     servicer = WorkerServicer(identity, engine, metrics)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, runtime.server)
     port = await runtime.start([SERVICE_NAME])
-    local = local_link(servicer)
+    # Run on a private socket too, for a scheduler on this host and user (its hello: the id)
+    local = message_server(
+        "canteen-worker-",
+        worker_id,
+        worker_pb2.StepPlan.FromString,
+        lambda plans: servicer.run_stream(plans, "unix"),
+    )
     if config.local_link == "auto":
         servicer.run_socket = await local.start()
     metrics_http = await start_metrics_http(metrics_registry, config.host, config.metrics_port)

@@ -59,7 +59,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.idle = asyncio.Event()
         self.idle.set()
         self._is_running = False  # a Run stream is open
-        self.run_socket = ""  # where worker/local_link.py serves Run too; "": nowhere
+        self.run_socket = ""  # where a private socket serves Run too; "": nowhere
         self._labels: dict[str, str] = {}  # seq id -> the client's label, for logs
 
     async def GetInfo(
@@ -117,7 +117,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def run_stream(
         self, plans: AsyncIterator[worker_pb2.StepPlan], peer: str
     ) -> AsyncIterator[worker_pb2.StepResult]:
-        """The Run stream, whichever link carries it (gRPC, or worker/local_link.py)."""
+        """The Run stream, whichever link carries it (gRPC, or canteen/local_socket.py)."""
         if self.runner is None:
             raise RunRefusedError(grpc.StatusCode.UNAVAILABLE, "model is still loading")
         if self._is_running:
