@@ -64,8 +64,13 @@ class Feed:
         self.reader: asyncio.Task[None] | None = None
 
     def attach(self, tag: int) -> Inbox[_Item]:
+        """``tag``'s inbox; on a feed already broken it holds the break at once (a request
+        that waited on the opening while the stream ended must retry, not wait)."""
         inbox: Inbox[_Item] = Inbox()
-        self.inboxes[tag] = inbox
+        if self.error is not None:
+            inbox.put_nowait(self.error)
+        else:
+            self.inboxes[tag] = inbox
         return inbox
 
     def detach(self, tag: int) -> None:

@@ -33,6 +33,10 @@ class ConnectScheduler(ScriptedScheduler):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.ScheduleBatch]:
         self.num_streams += 1
+        if self.mode == "end":  # a scheduler stopping as the stream opened
+            self.mode = "ok"  # the next stream works
+            yield scheduler_pb2.ScheduleBatch(subscription_id="ending")
+            return
         out: asyncio.Queue[scheduler_pb2.ScheduleBatch] = asyncio.Queue()
         reader = asyncio.create_task(self._read(request_iterator, out))
         try:
@@ -135,6 +139,19 @@ async def test_a_request_refused_by_a_draining_scheduler_is_retried_on_a_new_str
     assert await _tokens(client) == TOKENS
     assert fake.num_streams == 2
     assert [m.request.stream_tag for m in fake.received] == [1, 2]
+
+
+async def test_requests_waiting_on_a_stream_that_ends_as_it_opens_are_retried_not_stranded(
+    connected: tuple[ConnectScheduler, SchedulerClient],
+) -> None:
+    """The stream ends before the requests that waited on its opening join it: each must
+    see the break and retry on a new stream, not wait for tokens until its deadline."""
+    fake, client = connected
+    fake.mode = "end"
+    got = await asyncio.wait_for(asyncio.gather(*(_tokens(client) for _ in range(4))), 8)
+    assert got == [TOKENS] * 4
+    assert fake.num_streams == 2
+    assert len(fake.received) == 4  # every request went up the second stream once
 
 
 async def test_a_deadline_ends_the_request_and_cancels_it_upstream(
