@@ -107,6 +107,9 @@ class LocalServer:
         self.stop_listening()
         for writer in self._open:
             writer.close()
+        if self._lock is not None:  # the folder is gone: nothing left to guard
+            self._lock.close()
+            self._lock = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open.add(writer)

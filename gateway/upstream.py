@@ -24,6 +24,7 @@ from typing import TypeAlias
 
 import grpc
 
+from canteen.local_socket import OPEN_TIMEOUT_S
 from canteen.logging import get_logger
 from canteen.v1 import scheduler_pb2, scheduler_pb2_grpc
 from gateway.upstream_connect import (
@@ -331,7 +332,12 @@ class SchedulerClient:
         local = await LocalConnect.open(path, outbox)
         if local is None:
             return None
-        first = await local.read()
+        try:
+            first = await asyncio.wait_for(local.read(), OPEN_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("the scheduler's local stream sent nothing; staying on gRPC", path=path)
+            local.cancel()
+            return None
         if not isinstance(first, scheduler_pb2.ScheduleBatch):
             local.cancel()
             raise _unavailable("the scheduler ended its local stream at once")

@@ -6,11 +6,14 @@ Generate calls on the Subscribe stream instead."""
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
 
+from canteen.local_socket import SCHEDULER_NAME, LocalServer
 from canteen.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from gateway.upstream import SchedulerClient
 from tests.unit.test_upstream import TOKENS, ScriptedScheduler
@@ -26,6 +29,7 @@ class ConnectScheduler(ScriptedScheduler):
         self.cancels: list[int] = []
         self.num_streams = 0
         self.got_cancel = asyncio.Event()
+        self.local_socket = ""  # named in the first batch, as a scheduler with one does
 
     async def Connect(
         self,
@@ -40,7 +44,9 @@ class ConnectScheduler(ScriptedScheduler):
         out: asyncio.Queue[scheduler_pb2.ScheduleBatch] = asyncio.Queue()
         reader = asyncio.create_task(self._read(request_iterator, out))
         try:
-            yield scheduler_pb2.ScheduleBatch(subscription_id="conn")
+            yield scheduler_pb2.ScheduleBatch(
+                subscription_id="conn", local_socket=self.local_socket
+            )
             while True:
                 yield await out.get()
         finally:
@@ -152,6 +158,32 @@ async def test_requests_waiting_on_a_stream_that_ends_as_it_opens_are_retried_no
     assert got == [TOKENS] * 4
     assert fake.num_streams == 2
     assert len(fake.received) == 4  # every request went up the second stream once
+
+
+async def test_a_local_socket_that_says_hello_and_then_nothing_leaves_the_stream_on_grpc(
+    connected: tuple[ConnectScheduler, SchedulerClient],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scheduler's socket answers the hello but never the stream's first batch (a
+    scheduler stuck as it stops): the gateway gives up on it within the open timeout and
+    serves the requests on the gRPC stream, none waiting for its deadline."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fake, client = connected
+    client.is_local = True
+
+    async def silent(payloads: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for payload in payloads:  # nothing comes up before the first batch: it
+            yield payload  # waits, and ends when the gateway hangs up
+
+    server = LocalServer("canteen-test-", SCHEDULER_NAME, silent)
+    fake.local_socket = await server.start()
+    try:
+        got = await asyncio.wait_for(asyncio.gather(*(_tokens(client) for _ in range(3))), 8)
+    finally:
+        server.close()
+    assert got == [TOKENS] * 3
+    assert fake.num_streams == 1 and len(fake.received) == 3  # all on the gRPC stream
 
 
 async def test_a_deadline_ends_the_request_and_cancels_it_upstream(
