@@ -10,6 +10,9 @@ Canteen's kernel computes every row count in the default settings (a row's bits 
 depend on the batch); oneDNN is what it replaced for steps past a few rows (prefill chunks,
 wide batches), so the rows of a prefill (256, 512) belong in the comparison too.
 
+In bfloat16, "int4" is quant_linear over 4-bit groups (the head 8-bit), the weights
+`--quantization int4` serves, on the same rows.
+
 Usage: python bench/linears.py [--rows 1,4,8,16,32,64] [--dtypes float32,bfloat16] [--passes 8]
 """
 
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.decode_step import cpu_model
 from worker import kernels
-from worker.model.quant import PackedLinear, can_pack, pack_lanes
+from worker.model.quant import PackedLinear, can_pack, pack_groups, pack_lanes
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
@@ -58,7 +61,29 @@ def sides(dtype: torch.dtype) -> dict[str, Pass]:
                 torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
 
         out["oneDNN"] = onednn
+    if dtype == torch.bfloat16 and kernels.quant_vectorized():
+        out["int4"] = _lowbit()
     return out
+
+
+def _lowbit() -> Pass:
+    """quant_linear over the GGUF's formats: 4-bit groups (Q4_1) for the layers and 8-bit
+    (Q8_0) for the head, as `--quantization int4` serves SmolLM2's file."""
+    g = torch.Generator().manual_seed(0)
+    packed = []
+    for n, k in SHAPES:
+        bits = 8 if n == SHAPES[-1][0] else 4
+        low, high = (0, 16) if bits == 4 else (-128, 128)
+        q = torch.randint(low, high, (n, k), generator=g)
+        d = (torch.rand(n, k // 32, generator=g) * 0.01).half().float()
+        m = -8 * d if bits == 4 else torch.zeros_like(d)
+        packed.append(pack_groups(q, d, m, bits))
+
+    def int4(xs: dict[int, torch.Tensor]) -> None:
+        for (n, k), p in zip(SHAPES, packed, strict=True):
+            torch.ops.canteen.quant_linear(xs[k], p.weights, p.scales, n, None)
+
+    return int4
 
 
 def measure(side: dict[str, Pass], rows: int, dtype: torch.dtype, passes: int) -> None:

@@ -43,8 +43,15 @@
 namespace {
 
 constexpr int64_t kGroup = 32, kBlock = 16, kPairs = kGroup / 2;
-constexpr int kMaxRows = 12;      // rows of a register tile
+constexpr int kMaxRows = 12;      // rows of a register tile (8-bit weights)
 constexpr int kMaxGateRows = 6;   // with a gate, whose tiles hold two blocks
+// 4-bit weights without a gate go in tiles of 6 rows against 2 blocks too: each x pair
+// broadcast feeds two dot products, for a third more widenings of the (cheap) 4-bit chunks.
+// On the Zen 4 (2026-12-07, each projection against skinny_linear, alternating, 2 threads;
+// docs/speed-history.md) that took the down, q/k/v and o projections from 1.04-1.10x
+// bfloat16's time to 0.87-1.00x at 16-32 rows; 8-bit chunks cost twice as much to widen and
+// lost (the head 1.03-1.17x -> 1.37-1.40x at 32 rows), so they keep 12-row tiles.
+constexpr int kMax4BitRows = 6;
 
 template <int Bits>
 constexpr int64_t kGroupBytes = kBlock * kGroup * Bits / 8;
@@ -276,6 +283,7 @@ struct Packed {
   const at::Half* scales;
   int64_t block_bytes, block_scales, blocks;
   const std::array<RowFns, kMaxBlocks>* dots;
+  int64_t max_rows;  // of a register tile without a gate
 };
 
 // Every block of 16 outputs (with a gate: each gate block beside the up block ``half`` on)
@@ -284,7 +292,7 @@ template <typename T>
 void quant_blocks(const Packed& pk, const XRows& x, int64_t rows, const canteen::Finish<T>& fin) {
   const bool gate = fin.inner > 0;
   const int64_t half = gate ? pk.blocks / 2 : 0, units = gate ? half : pk.blocks;
-  const int64_t tile = tile_rows(rows, gate ? kMaxGateRows : kMaxRows);
+  const int64_t tile = tile_rows(rows, gate ? kMaxGateRows : pk.max_rows);
   const int wide = gate ? 2 : blocks_for_rows(static_cast<int>(tile));
   const int64_t unit_bytes = pk.block_bytes * (gate ? 2 : 1);
   const int64_t grain = std::max<int64_t>(gate ? 2 : 4, kMinTaskBytes / std::max<int64_t>(unit_bytes, 1));
@@ -340,8 +348,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const XRows xr{reinterpret_cast<const uint32_t*>(xb.data_ptr<at::BFloat16>()), xsum.data(), k / 2, k / kGroup};
   const auto b = canteen::padded_bias(bias, n, blocks * kBlock, "quant_linear");
   auto out = at::empty({rows, gate ? n / 2 : n}, x.options());
+  const bool four = pc.size(2) == 256;
   const Packed pk{pc.data_ptr<uint8_t>(), sc.data_ptr<at::Half>(), pc.size(1) * pc.size(2),
-                  sc.size(1) * 2 * kBlock, blocks, pc.size(2) == 256 ? &kDots<4> : &kDots<8>};
+                  sc.size(1) * 2 * kBlock, blocks, four ? &kDots<4> : &kDots<8>,
+                  four ? kMax4BitRows : kMaxRows};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "quant_linear_out", [&] {
     using T = scalar_t;
     const T* res = canteen::residual_rows<T>(residual, x, n, gate, "quant_linear");
