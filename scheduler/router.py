@@ -129,13 +129,16 @@ class WorkerPool:
     async def _apply(self, snapshot: registry_pb2.WorkerList) -> None:
         live = {w.worker_id: w for w in snapshot.workers}
         self._live = live
-        now = time.monotonic()
-        self._synced_at = self._synced_at or now
-        resyncing = self._was_broken and now - self._synced_at < DIRECTORY_RESYNC_SECONDS
+        self._synced_at = self._synced_at or time.monotonic()
         for worker_id, link in self.links.items():
-            if worker_id not in live and not link.is_draining and not resyncing:
-                log.info("worker left the directory", worker_id=worker_id)
-                link.drain()
+            if not link.is_draining and not self._listed(worker_id, link.desc.address):
+                log.info(
+                    "worker left the directory",
+                    worker_id=worker_id,
+                    address=link.desc.address,
+                    listed_at=live[worker_id].address if worker_id in live else None,
+                )
+                link.drain()  # once it ends, a new address is dialled (_connect)
         for worker_id in [w for w, (entry, _) in self.refused.items() if live.get(w) != entry]:
             del self.refused[worker_id]  # gone, or registered anew: judged again
         for worker_id, entry in live.items():
@@ -143,6 +146,19 @@ class WorkerPool:
                 continue
             if worker_id not in self.links and worker_id not in self._connecting:
                 self._spawn(self._connect(entry))
+
+    def _listed(self, worker_id: str, address: str) -> bool:
+        """Whether the directory lists ``worker_id`` at ``address``. An id it lists nowhere
+        counts as listed for DIRECTORY_RESYNC_SECONDS after the watch reconnects (a
+        restarted registry knows no lease until each worker's next heartbeat), and while
+        the watch is down; an id listed at another address is never this one."""
+        live = self._live.get(worker_id)
+        if live is not None:
+            return live.address == address
+        if not self._was_broken:
+            return False
+        synced = self._synced_at
+        return synced is None or time.monotonic() - synced < DIRECTORY_RESYNC_SECONDS
 
     async def _connect(self, entry: registry_pb2.WorkerEntry, patient: bool = True) -> None:
         """Dials a worker and runs its link until it ends. ``patient`` waits up to 10 s for
@@ -182,6 +198,12 @@ class WorkerPool:
             self.failover.on_lost,
         )
         self.links[entry.worker_id] = link
+        if not self._listed(entry.worker_id, entry.address):
+            # It left the directory (a worker stopped as it started) or moved while it was
+            # dialled: no directory change is coming to drain it, and an idle link never
+            # reads its stream, so it would be listed and routed to for good.
+            log.info("worker left the directory while dialled", worker_id=entry.worker_id)
+            link.drain()
         self.failover.retry()
         log.info(
             "worker connected",
@@ -193,10 +215,20 @@ class WorkerPool:
         )
         await self._readiness_changed()
         await link.run()
-        self.links.pop(entry.worker_id, None)
+        if self.links.get(entry.worker_id) is link:
+            del self.links[entry.worker_id]
         await self._readiness_changed()
         if not link.is_draining:
             self._spawn(self._reconnect(entry))
+            return
+        moved = self._live.get(entry.worker_id)
+        if (
+            moved is not None
+            and moved.address != entry.address
+            and entry.worker_id not in self.links
+            and entry.worker_id not in self._connecting
+        ):
+            self._spawn(self._connect(moved))  # drained because it moved: dial the new address
 
     async def _model_refusal(self, info: WorkerDescription) -> tuple[str | None, bool]:
         """Why the registry's model list rules the worker's model version out; None when it
