@@ -101,7 +101,10 @@ def suite_run(address: str, texts: list[str], tokens: int) -> float:
         requests = greedy_requests(texts, tokens)
 
         def read(call: Any) -> int:
-            return sum(len(m.token_ids) for m in call)
+            try:
+                return sum(len(m.token_ids) for m in call)
+            except grpc.RpcError as exc:  # not picklable: named here, for the parent process
+                raise RuntimeError(f"a request failed: {exc.code().name} {exc.details()}") from None
 
         # Every call is sent before any is read, as concurrent clients on other machines
         # would: at nice 19 on the suite's two cores, threads that each built and sent their
