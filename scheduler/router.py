@@ -175,9 +175,7 @@ class WorkerPool:
             log.warning("worker unreachable", worker_id=entry.worker_id, code=exc.code().name)
             await channel.close()
             self._connecting.discard(entry.worker_id)
-            moved = self._live.get(entry.worker_id)
-            if moved is not None and moved.address != entry.address:
-                self._spawn(self._connect(moved))  # it re-registered elsewhere meanwhile
+            self._dial_if_moved(entry)  # it re-registered elsewhere meanwhile
             return
         try:  # still connecting while it is judged: no second dial meanwhile
             desc = describe(info, entry.address)
@@ -218,17 +216,23 @@ class WorkerPool:
         if self.links.get(entry.worker_id) is link:
             del self.links[entry.worker_id]
         await self._readiness_changed()
-        if not link.is_draining:
+        if link.is_draining:
+            self._dial_if_moved(entry)  # drained because it moved: dial the new address
+        else:
             self._spawn(self._reconnect(entry))
-            return
-        moved = self._live.get(entry.worker_id)
+
+    def _dial_if_moved(self, entry: registry_pb2.WorkerEntry) -> None:
+        """Dials ``entry``'s worker id where the directory lists it now, if that is another
+        address and nothing links or dials the id already."""
+        worker_id = entry.worker_id
+        moved = self._live.get(worker_id)
         if (
             moved is not None
             and moved.address != entry.address
-            and entry.worker_id not in self.links
-            and entry.worker_id not in self._connecting
+            and worker_id not in self.links
+            and worker_id not in self._connecting
         ):
-            self._spawn(self._connect(moved))  # drained because it moved: dial the new address
+            self._spawn(self._connect(moved))
 
     async def _model_refusal(self, info: WorkerDescription) -> tuple[str | None, bool]:
         """Why the registry's model list rules the worker's model version out; None when it
