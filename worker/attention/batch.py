@@ -11,21 +11,17 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention.interface import DecodeGroup, PagedBatch, PrefillSpan
+from worker.model.arena import huge_zeros
 from worker.model.loader import LoadedModel
 
 
 def new_kv_pool(loaded: LoadedModel, num_blocks: int, block_size: int) -> torch.Tensor:
-    """A zeroed paged pool for ``loaded``: [layers, 2, blocks, block_size, kv_heads, D]."""
-    return torch.zeros(
-        loaded.num_layers,
-        2,
-        num_blocks,
-        block_size,
-        loaded.num_kv_heads,
-        loaded.head_dim,
-        dtype=loaded.dtype,
-        device=loaded.device,
-    )
+    """A zeroed paged pool for ``loaded``: [layers, 2, blocks, block_size, kv_heads, D], on
+    huge pages on a CPU (worker/model/arena.py)."""
+    shape = (loaded.num_layers, 2, num_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
+    if loaded.device.type == "cpu":
+        return huge_zeros(shape, loaded.dtype)
+    return torch.zeros(shape, dtype=loaded.dtype, device=loaded.device)
 
 
 # A few tokens after cached ones (a sequence verifying its drafts, a short prompt chunk) go

@@ -32,6 +32,7 @@ from worker import kernels
 from worker.attention.interface import PagedBatch
 from worker.attention.paged import kernel_groups, layer_view, paged_attention
 from worker.lora.slots import StepLora
+from worker.model.arena import gather
 from worker.model.quant import (
     Groups,
     Linear,
@@ -275,7 +276,17 @@ class FastModel:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 setattr(layer.mlp, name, None)
         self.stack = _stack(self.layers)
+        gather(self._read_order())  # one stream of huge pages for a step to read (arena.py)
         self._warm_up()
+
+    def _read_order(self) -> list[torch.Tensor]:
+        """The tensors Canteen's kernels read of every linear, in the order a step reads them."""
+        out: list[torch.Tensor] = []
+        linears = [(lay.qkv, lay.o, lay.gate_up, lay.down) for lay in self.layers]
+        for linear in [*(lin for four in linears for lin in four), self.lm_head]:
+            form = kernel_form(linear)
+            out += [t for t in form[0][:2] if t.numel()] if form else []  # (a, b), not the bias
+        return out
 
     def _warm_up(self) -> None:
         """Builds every kernel a prepacked linear will need (worker/model/quant.py) now, so that
