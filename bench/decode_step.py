@@ -40,6 +40,7 @@ from worker.model.quant import make_linear
 
 BLOCK = 16
 PROMPT = 32
+PRELOAD_WAIT_S = 60.0
 CONFIGS = (
     "transformers:float32:none",
     "fast:float32:none",
@@ -209,6 +210,9 @@ def setup(spec: str, path: Path, max_batch: int, room: int) -> Setup:
     runner = ModelRunner(
         loaded, RunnerConfig(max_batch * -(-(PROMPT + room) // BLOCK), BLOCK, 2048)
     )
+    # As the worker does before it reports ready: the grammar tokenizer's preload holds the
+    # GIL for seconds (worker/engine/constrain.py), and steps beside it run 2-3x slower.
+    runner.constraints.wait_loaded(PRELOAD_WAIT_S)
     return Setup(spec, loaded, runner, weight_bytes(loaded), linear_params(loaded.model.config))
 
 

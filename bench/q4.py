@@ -123,6 +123,7 @@ def engine_rates(
         blocks = max(widths) * -(-(200 + tokens) // BLOCK)
         shape = RunnerConfig(blocks, BLOCK, 2048, narrow_step_rows=NARROW_STEP_ROWS)
         runners[name] = ModelRunner(loaded, shape)  # the worker's thread rule
+        runners[name].constraints.wait_loaded(60.0)  # as the worker does before it is ready
         engine_run(runners[name], [prompt_ids(path, "warm up")], 4)
     rates: dict[Any, list[float]] = {}
     with llama_side(path, widths, {}, llama) as url:
