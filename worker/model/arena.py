@@ -50,38 +50,39 @@ def _advise_huge(address: int, length: int) -> bool:
     return bool(madvise(address, length, MADV_HUGEPAGE) == 0)
 
 
+def _huge_block(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """``nbytes`` of uint8 starting on a 2 MiB boundary, advised for huge pages before anything
+    touches them; whether the advice was taken."""
+    block = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    start = -block.data_ptr() % HUGE_PAGE
+    return block[start : start + nbytes], _advise_huge(block.data_ptr() + start, nbytes)
+
+
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on transparent huge pages where the kernel allows them (the KV pool:
     a step's attention reads blocks spread over all of it)."""
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    block = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    start = -block.data_ptr() % HUGE_PAGE
-    _advise_huge(block.data_ptr() + start, nbytes)
-    return block[start : start + nbytes].view(dtype).view(shape).zero_()
+    block, _ = _huge_block(math.prod(shape) * dtype.itemsize)
+    return block.view(dtype).view(shape).zero_()
 
 
 def gather(tensors: list[torch.Tensor]) -> int:
     """Moves ``tensors`` (CPU, contiguous, not requiring grad) into one block, in list order,
     each in place (``set_``: every holder of a tensor sees the new storage); repeats, empty
     and non-CPU tensors are left where they are. Returns the bytes moved."""
-    seen: set[int] = set()
-    todo: list[torch.Tensor] = []
+    todo: dict[int, torch.Tensor] = {}
     for t in tensors:
-        if t.numel() == 0 or t.device.type != "cpu" or id(t) in seen:
+        if t.numel() == 0 or t.device.type != "cpu":
             continue
         if not t.is_contiguous() or t.requires_grad:
             raise ValueError("gather takes contiguous CPU tensors that do not require grad")
-        seen.add(id(t))
-        todo.append(t)
-    sizes = [-(-t.nbytes // ALIGN) * ALIGN for t in todo]
+        todo.setdefault(id(t), t)
+    sizes = [-(-t.nbytes // ALIGN) * ALIGN for t in todo.values()]
     total = sum(sizes)
     if total == 0:
         return 0
-    block = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
-    start = -block.data_ptr() % HUGE_PAGE
-    huge = _advise_huge(block.data_ptr() + start, total)
-    offset = start
-    for t, size in zip(todo, sizes, strict=True):
+    block, huge = _huge_block(total)
+    offset = 0
+    for t, size in zip(todo.values(), sizes, strict=True):
         view = block[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         with torch.no_grad():

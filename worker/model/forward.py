@@ -282,8 +282,8 @@ class FastModel:
     def _read_order(self) -> list[torch.Tensor]:
         """The tensors Canteen's kernels read of every linear, in the order a step reads them."""
         out: list[torch.Tensor] = []
-        linears = [(lay.qkv, lay.o, lay.gate_up, lay.down) for lay in self.layers]
-        for linear in [*(lin for four in linears for lin in four), self.lm_head]:
+        linears = [lin for lay in self.layers for lin in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+        for linear in [*linears, self.lm_head]:
             form = kernel_form(linear)
             out += [t for t in form[0][:2] if t.numel()] if form else []  # (a, b), not the bias
         return out
