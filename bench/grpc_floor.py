@@ -12,8 +12,14 @@ plus a summary of medians.
 Variants: ``aio`` (grpc.aio server, async generator handler), ``aio-write`` (the same with
 ``context.write``), ``sync`` (grpc.server with a thread pool of ``--streams`` threads),
 ``aio-nocompress`` (aio with compression explicitly off and no per-message flow-control
-tuning: ``grpc.optimization_target=throughput``), and ``aio-batch4`` (four tokens a message:
-a stream interval of 4; divided by tokens, not messages).
+tuning: ``grpc.optimization_target=throughput``), ``aio-batch4`` (four tokens a message:
+a stream interval of 4; divided by tokens, not messages), and ``aio-call`` (calls of one
+message each, ``--messages`` rounds of ``--streams`` concurrent calls: what a call itself
+costs, its one message included; its ``us_per_message`` is per call).
+
+What a request of T tokens costs the server's gRPC alone, from the medians: ``aio-call +
+(messages - 1) * aio``, where messages is T at stream interval 1 and 1 + (T - 1) / 4 at 4;
+printed as ``floor_us_per_token`` for ``--tokens`` (64) when both variants ran.
 
 Usage: python bench/grpc_floor.py [--streams 32] [--messages 200] [--rounds 3]
        [--variants aio,sync,...]  (``--short``: 8 streams, 50 messages, 1 round)
@@ -39,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from canteen.v1 import inference_pb2, inference_pb2_grpc
 
-VARIANTS = ("aio", "aio-write", "sync", "aio-throughput", "aio-batch4")
+VARIANTS = ("aio", "aio-write", "sync", "aio-throughput", "aio-batch4", "aio-call")
 
 
 def _response(i: int, per: int) -> inference_pb2.GenerateResponse:
@@ -94,8 +100,9 @@ def _serve(variant: str, streams: int, ports: mp.Queue) -> None:  # type: ignore
     asyncio.run(main())
 
 
-def _read(port: int, streams: int, messages: int, per: int) -> None:
-    """The client: ``streams`` concurrent calls of ``messages`` messages, all read."""
+def _read(port: int, streams: int, messages: int, per: int, batches: int = 1) -> None:
+    """The client: ``batches`` times ``streams`` concurrent calls of ``messages`` messages,
+    all read."""
     os.nice(19)
 
     async def main() -> None:
@@ -107,7 +114,8 @@ def _read(port: int, streams: int, messages: int, per: int) -> None:
                 async for _ in stub.Generate(request):
                     pass
 
-            await asyncio.gather(*(one() for _ in range(streams)))
+            for _ in range(batches):
+                await asyncio.gather(*(one() for _ in range(streams)))
 
     asyncio.run(main())
 
@@ -115,7 +123,9 @@ def _read(port: int, streams: int, messages: int, per: int) -> None:
 def run(variant: str, streams: int, messages: int) -> dict[str, object]:
     """One run: the server's CPU microseconds a message and a token."""
     per = 4 if variant == "aio-batch4" else 1
-    num_messages = messages // per
+    num_messages, batches = messages // per, 1
+    if variant == "aio-call":  # a message per call, as many calls as the others' messages
+        num_messages, batches = 1, messages
     context = mp.get_context("spawn")
     ports: mp.Queue = context.Queue()  # type: ignore[type-arg]
     server = context.Process(target=_serve, args=(variant, streams, ports), daemon=True)
@@ -127,18 +137,32 @@ def run(variant: str, streams: int, messages: int) -> dict[str, object]:
         warm.join()
         proc = psutil.Process(server.pid)
         before = sum(proc.cpu_times()[:2])
-        client = context.Process(target=_read, args=(port, streams, num_messages, per))
+        client = context.Process(target=_read, args=(port, streams, num_messages, per, batches))
         client.start()
         client.join()
         used = sum(proc.cpu_times()[:2]) - before
     finally:
         server.kill()
         server.join()
+    sent = streams * num_messages * batches
     return {
         "variant": variant,
-        "us_per_message": round(1e6 * used / (streams * num_messages), 1),
-        "us_per_token": round(1e6 * used / (streams * num_messages * per), 1),
+        "us_per_message": round(1e6 * used / sent, 1),
+        "us_per_token": round(1e6 * used / (sent * per), 1),
     }
+
+
+def floors(medians: dict[str, float], tokens: int) -> dict[str, float]:
+    """The server's gRPC CPU per token of a ``tokens``-token request, at stream intervals 1
+    and 4, from a call's cost (``aio-call``) and a further message's (``aio``)."""
+    if "aio-call" not in medians or "aio" not in medians:
+        return {}
+    out = {}
+    for interval in (1, 4):
+        messages = 1 + -(-(tokens - 1) // interval)
+        cost = medians["aio-call"] + (messages - 1) * medians["aio"]
+        out[f"floor_us_per_token_interval_{interval}"] = round(cost / tokens, 1)
+    return out
 
 
 def main() -> None:
@@ -147,6 +171,7 @@ def main() -> None:
     parser.add_argument("--messages", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--tokens", type=int, default=64, help="a request's, for the floor")
     parser.add_argument("--short", action="store_true", help="8 streams, 50 messages, 1 round")
     args = parser.parse_args()
     if args.short:
@@ -158,7 +183,8 @@ def main() -> None:
             row = run(variant, args.streams, args.messages)
             found[variant].append(float(str(row["us_per_token"])))
             print(json.dumps({"round": r, **row}), flush=True)
-    print(json.dumps({v: statistics.median(found[v]) for v in variants}))
+    medians = {v: statistics.median(found[v]) for v in variants}
+    print(json.dumps({**medians, **floors(medians, args.tokens), "tokens": args.tokens}))
 
 
 if __name__ == "__main__":
