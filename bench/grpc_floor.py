@@ -11,11 +11,11 @@ plus a summary of medians.
 
 Variants: ``aio`` (grpc.aio server, async generator handler), ``aio-write`` (the same with
 ``context.write``), ``sync`` (grpc.server with a thread pool of ``--streams`` threads),
-``aio-nocompress`` (aio with compression explicitly off and no per-message flow-control
-tuning: ``grpc.optimization_target=throughput``), ``aio-batch4`` (four tokens a message:
-a stream interval of 4; divided by tokens, not messages), and ``aio-call`` (calls of one
-message each, ``--messages`` rounds of ``--streams`` concurrent calls: what a call itself
-costs, its one message included; its ``us_per_message`` is per call).
+``aio-throughput`` (aio with ``grpc.optimization_target=throughput``), ``aio-batch4``
+(four tokens a message: a stream interval of 4; divided by tokens, not messages), and
+``aio-call`` (calls of one message each, ``--messages`` rounds of ``--streams`` concurrent
+calls: what a call itself costs, its one message included; its ``us_per_message`` is per
+call).
 
 What a request of T tokens costs the server's gRPC alone, from the medians: ``aio-call +
 (messages - 1) * aio``, where messages is T at stream interval 1 and 1 + (T - 1) / 4 at 4;
